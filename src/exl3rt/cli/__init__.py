@@ -1,0 +1,1 @@
+"""The ``exl3rt`` command line."""

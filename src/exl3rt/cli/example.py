@@ -1,0 +1,74 @@
+"""``exl3rt example OUT``: write a small random EXL3 checkpoint (a Llama-shaped model) to try the tools on."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..format.bits import Bits
+from ..format.checkpoint_write import CheckpointWriter
+from ..format.random import random_linear
+
+HELP = "write a small random EXL3 checkpoint (Llama-shaped, mixed bitrates) for trying the tools"
+
+#: module suffix -> (bits, codebook); a mix of bitrates and all three codebooks
+LAYER_PLAN: dict[str, tuple[Bits, str]] = {
+    "self_attn.q_proj": (4, "mcg"), "self_attn.k_proj": (4, "mcg"), "self_attn.v_proj": (5, "mcg"),
+    "self_attn.o_proj": (4, "mcg"), "mlp.gate_proj": (3, "mul1"), "mlp.up_proj": (3, "mul1"),
+    "mlp.down_proj": (2.5, "mul1"),
+}
+HEAD: tuple[Bits, str] = (6, "3inst")
+
+
+def example_config(hidden: int = 256, intermediate: int = 688, layers: int = 2, vocab: int = 1024) -> dict[str, Any]:
+    heads = hidden // 64
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": heads, "head_dim": 64, "vocab_size": vocab, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "torch_dtype": "float16",
+        "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+    }
+
+
+def write_example_checkpoint(out: str | Path, *, seed: int = 0, overwrite: bool = False, **sizes: int) -> Path:
+    """Write the example model; the intermediate width (688) is padded to 768 to show padding."""
+    cfg = example_config(**sizes)
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, h), "self_attn.v_proj": (h, h),
+              "self_attn.o_proj": (h, h), "mlp.gate_proj": (h, i), "mlp.up_proj": (h, i), "mlp.down_proj": (i, h)}
+    g = torch.Generator().manual_seed(seed)
+    with CheckpointWriter(out, overwrite=overwrite) as w:
+        w.add_tensor("model.embed_tokens.weight", (0.02 * torch.randn(v, h, generator=g)).half())
+        n = 0
+        for layer in range(cfg["num_hidden_layers"]):
+            prefix = f"model.layers.{layer}"
+            w.add_tensor(f"{prefix}.input_layernorm.weight", torch.ones(h, dtype=torch.float16))
+            w.add_tensor(f"{prefix}.post_attention_layernorm.weight", torch.ones(h, dtype=torch.float16))
+            for suffix, (bits, cb) in LAYER_PLAN.items():
+                name = f"{prefix}.{suffix}"
+                w.add_linear(name, random_linear(*shapes[suffix], bits, cb, seed=seed * 1000 + n, name=name))
+                n += 1
+        w.add_tensor("model.norm.weight", torch.ones(h, dtype=torch.float16))
+        w.add_linear("lm_head", random_linear(h, v, HEAD[0], HEAD[1], seed=seed * 1000 + n, name="lm_head"))
+        return w.finish(cfg)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("example", help=HELP, description=HELP + ".\n\n"
+                       "The codes are random (any bit pattern is a valid trellis), so the model talks nonsense,\n"
+                       "but every tensor has the exact EXL3 layout: inspect it, load it, benchmark with it.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", help="output directory (created; must not already hold .safetensors files)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--overwrite", action="store_true", help="write into a directory that already holds a checkpoint")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = write_example_checkpoint(args.out, seed=args.seed, overwrite=args.overwrite)
+    print(f"wrote example EXL3 checkpoint to {out}  (next: exl3rt inspect {out})")
+    return 0

@@ -1,0 +1,55 @@
+"""``exl3rt``: entry point and sub-command table.
+
+Each sub-command lives in its own module with ``add_parser(subparsers)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+from .. import __version__, env
+from ..format.errors import FormatError
+from . import example, inspect
+
+COMMANDS = (inspect, example)
+
+DESCRIPTION = """\
+exl3rt reads, writes and runs LLM weights quantized as EXL3 trellis codes (the ExLlamaV3 format).
+
+Try it:
+  exl3rt example /tmp/tiny-exl3        write a small random EXL3 checkpoint
+  exl3rt inspect /tmp/tiny-exl3        list its quantized layers and average bits per weight
+"""
+
+EPILOG = "environment variables:\n" + env.describe()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="exl3rt", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"exl3rt {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for cmd in COMMANDS:
+        cmd.add_parser(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        logging.basicConfig(level=env.LOG_LEVEL.get(), format="exl3rt: %(message)s")
+        if args.command is None:
+            parser.print_help()
+            return 2
+        return int(args.run(args) or 0)
+    except (FormatError, env.EnvError) as exc:
+        print(f"exl3rt: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

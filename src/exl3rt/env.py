@@ -1,0 +1,60 @@
+"""Every ``EXL3RT_*`` environment variable, parsed in one place.
+
+Nothing else in exl3rt reads ``os.environ``. Each variable has a parser with a clear error
+message; :func:`describe` lists them (``exl3rt --help`` shows the table).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Generic, Optional, TypeVar
+
+T = TypeVar("T")
+
+
+class EnvError(ValueError):
+    """An ``EXL3RT_*`` variable holds a value that cannot be used."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    default: T
+    parse: Callable[[str], T]
+    help: str
+
+    def get(self, environ: Optional[dict[str, str]] = None) -> T:
+        raw = (os.environ if environ is None else environ).get(self.name)
+        if raw is None or raw.strip() == "":
+            return self.default
+        try:
+            return self.parse(raw.strip())
+        except (ValueError, KeyError) as exc:
+            raise EnvError(f"{self.name}={raw!r}: {exc}") from None
+
+
+def _log_level(raw: str) -> str:
+    levels = ("DEBUG", "INFO", "WARNING", "ERROR")
+    value = raw.upper()
+    if value not in levels:
+        raise ValueError(f"expected one of {', '.join(levels)}")
+    return value
+
+
+LOG_LEVEL: EnvVar[str] = EnvVar("EXL3RT_LOG_LEVEL", "WARNING", _log_level,
+                                "log level of the exl3rt logger (DEBUG, INFO, WARNING, ERROR)")
+
+def _path(raw: str) -> str:
+    return os.path.expanduser(raw)
+
+
+GOLDEN_DIR: EnvVar[str] = EnvVar("EXL3RT_GOLDEN_DIR", "", _path,
+                                 "reference data for the tests (default: ../shared/golden beside the repo)")
+
+ALL: tuple[EnvVar, ...] = (LOG_LEVEL, GOLDEN_DIR)
+
+
+def describe() -> str:
+    """One line per variable: name, default, meaning."""
+    return "\n".join(f"  {v.name:<22} (default {v.default!s:<8}) {v.help}" for v in ALL)

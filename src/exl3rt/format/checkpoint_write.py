@@ -1,0 +1,193 @@
+"""Writing EXL3 checkpoints in exllamav3's layout, streamed and crash-safe.
+
+Tensors are buffered into shards of at most ``max_shard_bytes`` (default 8192 MB, as exllamav3).
+Each shard is written under a ``*.partial`` name, fsynced and renamed; :meth:`CheckpointWriter.finish`
+gives the shards their final names ``model-0000i-of-0000N.safetensors`` and then writes
+``model.safetensors.index.json``, ``quantization_config.json`` and ``config.json`` atomically. A crash
+before ``finish`` leaves no index and no config, so nothing half-written looks like a checkpoint.
+
+What exllamav3 needs to load the result: int16 trellis, fp16 suh/svh (and bias), an int32 scalar
+marker for mcg/mul1, HF module names, and ``quantization_config.quant_method == "exl3"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import save_file
+
+from .. import __version__
+from ..util.fs import atomic_path, atomic_write_text, fsync_dir
+from .bits import Bits
+from .checkpoint import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME
+from .codebooks import MARKERS
+from .encoded import EncodedLinear
+from .errors import FormatError
+
+DEFAULT_SHARD_BYTES = 8192 * 2**20
+_PARTIAL = ".safetensors.partial"
+
+
+class CheckpointWriter:
+    """Stream linears and plain tensors into an EXL3 checkpoint directory.
+
+    >>> with CheckpointWriter("out") as w:                   # doctest: +SKIP
+    ...     w.add_linear("model.layers.0.mlp.up_proj", enc)
+    ...     w.add_tensor("model.norm.weight", norm)
+    ...     w.finish(base_config)
+    """
+
+    def __init__(self, out_dir: str | os.PathLike[str], *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 overwrite: bool = False):
+        self.out_dir = Path(out_dir)
+        if self.out_dir.exists() and not self.out_dir.is_dir():
+            raise FormatError(f"{self.out_dir}: exists and is not a directory")
+        if self.out_dir.is_dir() and not overwrite and any(self.out_dir.glob("*.safetensors")):
+            raise FormatError(f"{self.out_dir}: already holds .safetensors files; choose an empty directory or overwrite")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes = int(max_shard_bytes)
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._parts: list[tuple[Path, list[str]]] = []
+        self._names: set[str] = set()
+        self._linears: dict[str, tuple[Bits, str, dict[str, Any]]] = {}
+        self._total_bytes = 0
+        self._finished = False
+
+    # ---- adding --------------------------------------------------------------------------------
+    def add_linear(self, name: str, linear: EncodedLinear) -> None:
+        """Add one quantized linear under module key ``name`` (all its tensors go to one shard)."""
+        tensors = linear.state_dict(name)
+        self._add_group(tensors)
+        storage = {k[len(name) + 1:]: {"shape": list(t.shape), "torch_dtype": str(t.dtype).replace("torch.", "")}
+                   for k, t in tensors.items()}
+        self._linears[name] = (linear.bits, linear.codebook, storage)
+
+    def add_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Add an unquantized tensor (embedding, norm, router, …) as it is."""
+        self._add_group({name: tensor})
+
+    def _add_group(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self._finished:
+            raise FormatError("checkpoint writer: already finished")
+        clash = self._names.intersection(tensors)
+        if clash:
+            raise FormatError(f"{sorted(clash)[0]}: added twice to the checkpoint")
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        for k, t in tensors.items():
+            t = t.detach().to("cpu").contiguous()
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                t = t.clone()  # a view into a larger buffer: store only its own bytes
+            self._pending[k] = t
+        self._names.update(tensors)
+        self._pending_bytes += size
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        part = self.out_dir / f"part-{len(self._parts) + 1:05d}{_PARTIAL}"
+        with atomic_path(part) as tmp:
+            save_file(self._pending, str(tmp))
+        self._parts.append((part, list(self._pending)))
+        self._total_bytes += self._pending_bytes
+        self._pending, self._pending_bytes = {}, 0
+
+    # ---- finishing -------------------------------------------------------------------------------
+    def quantization_config(self, head_name: str = "lm_head", **fields: Any) -> dict[str, Any]:
+        """The ``quantization_config`` block for config.json, derived from the linears written.
+
+        ``bits`` is the average K over all linears except ``head_name`` (rounded to 2 places, as
+        exllamav3 reports it); ``head_bits`` is the head's K (16 = stored unquantized).
+        """
+        body = {k: v for k, v in self._linears.items() if k != head_name}
+        weights = sum(_tile_count(v[2]) * 256 for v in body.values())
+        tbits = sum(_tile_count(v[2]) * 256 * v[0] for v in body.values())
+        codebooks = sorted({v[1] for v in self._linears.values()})
+        qc: dict[str, Any] = {
+            "quant_method": "exl3",
+            "version": __version__,
+            "quantizer": "exl3rt",
+            "bits": round(tbits / weights, 2) if weights else 0.0,
+            "head_bits": self._linears[head_name][0] if head_name in self._linears else 16,
+            "codebook": codebooks[0] if len(codebooks) == 1 else "mixed",
+        }
+        qc.update(fields)
+        return qc
+
+    def finish(self, config: Optional[dict[str, Any]] = None, *, quantization_config: Optional[dict[str, Any]] = None,
+               head_name: str = "lm_head") -> Path:
+        """Name the shards, write the index, ``quantization_config.json`` and ``config.json``; return the directory.
+
+        ``config`` is the model's Hugging Face config (architectures, sizes, …); its
+        ``quantization_config`` is replaced by ours (fields in ``quantization_config`` override).
+        """
+        self._flush()
+        self._finished = True
+        if not self._parts:
+            raise FormatError(f"{self.out_dir}: nothing was written")
+        n = len(self._parts)
+        weight_map: dict[str, str] = {}
+        for i, (part, names) in enumerate(self._parts, start=1):
+            final = self.out_dir / (f"model-{i:05d}-of-{n:05d}.safetensors")
+            os.replace(part, final)
+            weight_map.update({name: final.name for name in names})
+        fsync_dir(self.out_dir)
+        index = {"metadata": {"total_size": self._total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        atomic_write_text(self.out_dir / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+        qc = self.quantization_config(head_name, **(quantization_config or {}))
+        side = dict(qc)
+        side["tensor_storage"] = {
+            name: {"stored_tensors": storage, "quant_format": "exl3", "bits_per_weight": bits,
+                   **({f"{cb}_multiplier": MARKERS[cb] & 0xFFFFFFFF} if cb in MARKERS else {})}
+            for name, (bits, cb, storage) in self._linears.items()
+        }
+        atomic_write_text(self.out_dir / QCONFIG_NAME, json.dumps(side, indent=2) + "\n")
+        cfg = dict(config or {})
+        cfg["quantization_config"] = qc
+        if head_name in self._linears:
+            cfg["tie_word_embeddings"] = False  # the head is stored separately, quantized
+        atomic_write_text(self.out_dir / CONFIG_NAME, json.dumps(cfg, indent=2) + "\n")
+        return self.out_dir
+
+    def abort(self) -> None:
+        """Remove shards written so far (partial names only; a finished checkpoint is never touched)."""
+        for part, _ in self._parts:
+            if part.name.endswith(_PARTIAL) and part.exists():
+                part.unlink()
+        self._parts.clear()
+        self._pending.clear()
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None and not self._finished:
+            self.abort()
+
+
+def _tile_count(storage: dict[str, Any]) -> int:
+    shape = storage["trellis"]["shape"]
+    return int(shape[0]) * int(shape[1])
+
+
+def write_checkpoint(out_dir: str | os.PathLike[str], linears: dict[str, EncodedLinear],
+                     tensors: Optional[dict[str, torch.Tensor]] = None, config: Optional[dict[str, Any]] = None,
+                     **kwargs: Any) -> Path:
+    """Write a whole checkpoint at once (see :class:`CheckpointWriter` for the streamed form).
+
+    Keyword arguments go to :class:`CheckpointWriter` (``max_shard_bytes``, ``overwrite``) or to
+    :meth:`CheckpointWriter.finish` (``quantization_config``, ``head_name``).
+    """
+    finish_kw = {k: kwargs.pop(k) for k in ("quantization_config", "head_name") if k in kwargs}
+    with CheckpointWriter(out_dir, **kwargs) as w:
+        for name, lin in linears.items():
+            w.add_linear(name, lin)
+        for name, t in (tensors or {}).items():
+            w.add_tensor(name, t)
+        return w.finish(config, **finish_kw)

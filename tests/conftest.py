@@ -1,0 +1,38 @@
+"""Shared fixtures: the golden reference data made by exllamav3 1.6.5 (../shared/golden)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from exl3rt import env
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = Path(env.GOLDEN_DIR.get() or REPO.parent / "shared" / "golden")
+
+if not (GOLDEN / "codebooks.safetensors").is_file():
+    raise RuntimeError(
+        f"golden reference data not found at {GOLDEN}: the tests check every golden file and must not "
+        f"skip them; put shared/ beside the repository or set EXL3RT_GOLDEN_DIR"
+    )
+
+LAYER_FILES = sorted(p.name for p in GOLDEN.glob("[0-9]*.safetensors"))
+assert LAYER_FILES, f"no golden layer files in {GOLDEN}"
+
+
+def load_golden(name: str) -> tuple[dict, dict]:
+    """(tensors, metadata) of one golden file."""
+    with safe_open(str(GOLDEN / name), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+
+
+def golden_codebook(tensors: dict) -> str:
+    return "mcg" if "mcg" in tensors else "mul1" if "mul1" in tensors else "3inst"
+
+
+@pytest.fixture(params=LAYER_FILES)
+def golden_layer(request):
+    tensors, meta = load_golden(request.param)
+    return request.param, tensors, meta

@@ -1,0 +1,56 @@
+"""The exl3rt command: inspect prints the right average bits per weight; help and errors are clear."""
+
+import json
+
+import pytest
+
+from exl3rt.cli.example import HEAD, LAYER_PLAN, example_config
+from exl3rt.cli.main import main
+from exl3rt.format.encoded import padded_width
+
+from test_checkpoint import LAYERS, expected_bpw, written  # noqa: F401  (fixture)
+
+
+def test_inspect_roundtrip_checkpoint_prints_right_bpw(written, capsys):
+    out, _ = written
+    assert main(["inspect", str(out), "--validate"]) == 0
+    text = capsys.readouterr().out
+    assert f"bpw          {expected_bpw(LAYERS):.4f}" in text
+    assert "model.layers.0.mlp.down_proj" in text and "2.5" in text and "validated" in text
+    assert main(["inspect", str(out), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["totals"]["bpw"] == pytest.approx(expected_bpw(LAYERS), rel=1e-12)
+    assert {r["name"]: r["bits"] for r in data["layers"]} == {n: v[2] for n, v in LAYERS.items()}
+
+
+def test_example_checkpoint_bpw(tmp_path, capsys):
+    out = tmp_path / "ex"
+    assert main(["example", str(out)]) == 0
+    assert main(["inspect", str(out), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    cfg = example_config()
+    h, i, v, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    dims = {"mlp.gate_proj": (h, i), "mlp.up_proj": (h, i), "mlp.down_proj": (i, h)}
+    weights, bits = 0, 0.0
+    for suffix, (k, _) in LAYER_PLAN.items():
+        a, b = dims.get(suffix, (h, h))
+        weights += n * padded_width(a) * padded_width(b)
+        bits += n * padded_width(a) * padded_width(b) * k
+    weights += h * v
+    bits += h * v * HEAD[0]
+    assert data["totals"]["bpw"] == pytest.approx(bits / weights, rel=1e-12)
+    assert data["totals"]["linears"] == 7 * n + 1
+
+
+def test_help_teaches(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "exl3rt example" in text and "inspect" in text and "EXL3RT_LOG_LEVEL" in text
+
+
+def test_inspect_error_is_one_clear_line(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("exl3rt: error:") and "no such file or directory" in err
