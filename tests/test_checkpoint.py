@@ -100,7 +100,7 @@ def test_bits_come_from_the_trellis_not_the_config(written):
 
 
 def test_listing_reads_no_tensor_data(written, monkeypatch):
-    import exl3rt.format.checkpoint as mod
+    import exl3rt.util.tensorfiles as mod
 
     calls = []
 

@@ -52,7 +52,21 @@ def _path(raw: str) -> str:
 GOLDEN_DIR: EnvVar[str] = EnvVar("EXL3RT_GOLDEN_DIR", "", _path,
                                  "reference data for the tests (default: ../shared/golden beside the repo)")
 
-ALL: tuple[EnvVar, ...] = (LOG_LEVEL, GOLDEN_DIR)
+KERNEL_CACHE_DIR: EnvVar[str] = EnvVar(
+    "EXL3RT_KERNEL_CACHE_DIR", "", _path,
+    "compiled CPU kernels (default: $XDG_CACHE_HOME/exl3rt/kernels, i.e. ~/.cache/exl3rt/kernels)")
+
+ALL: tuple[EnvVar, ...] = (LOG_LEVEL, GOLDEN_DIR, KERNEL_CACHE_DIR)
+
+
+def xdg_cache_home() -> str:
+    """``$XDG_CACHE_HOME`` or ``~/.cache`` (the one non-EXL3RT variable exl3rt reads, read here)."""
+    return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+
+
+def kernel_cache_dir() -> str:
+    """Where generated CPU kernels are kept."""
+    return KERNEL_CACHE_DIR.get() or os.path.join(xdg_cache_home(), "exl3rt", "kernels")
 
 
 def describe() -> str:

@@ -11,10 +11,12 @@ import sys
 from typing import Optional, Sequence
 
 from .. import __version__, env
+from ..encode.errors import EncodeError
 from ..format.errors import FormatError
-from . import example, inspect
+from ..util.tensorfiles import TensorFileError
+from . import example, inspect, quantize
 
-COMMANDS = (inspect, example)
+COMMANDS = (quantize, inspect, example)
 
 DESCRIPTION = """\
 exl3rt reads, writes and runs LLM weights quantized as EXL3 trellis codes (the ExLlamaV3 format).
@@ -22,6 +24,7 @@ exl3rt reads, writes and runs LLM weights quantized as EXL3 trellis codes (the E
 Try it:
   exl3rt example /tmp/tiny-exl3        write a small random EXL3 checkpoint
   exl3rt inspect /tmp/tiny-exl3        list its quantized layers and average bits per weight
+  exl3rt quantize SRC OUT --bits 4     convert a Hugging Face checkpoint to EXL3 (resumable)
 """
 
 EPILOG = "environment variables:\n" + env.describe()
@@ -46,7 +49,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.print_help()
             return 2
         return int(args.run(args) or 0)
-    except (FormatError, env.EnvError) as exc:
+    except (FormatError, EncodeError, TensorFileError, env.EnvError) as exc:
         print(f"exl3rt: error: {exc}", file=sys.stderr)
         return 1
 

@@ -15,45 +15,21 @@ time. K always comes from the trellis shape, never from config.json.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
-from safetensors import safe_open
 
+from ..util.tensorfiles import CONFIG_NAME, INDEX_NAME, TensorFileError, TensorFiles, TensorInfo, natural_key, read_json
 from .bits import Bits, bits_from_width
 from .codebooks import MARKERS
 from .encoded import EncodedLinear
 from .errors import FormatError
 
-INDEX_NAME = "model.safetensors.index.json"
-CONFIG_NAME = "config.json"
 QCONFIG_NAME = "quantization_config.json"
+__all__ = ["CONFIG_NAME", "INDEX_NAME", "QCONFIG_NAME", "Exl3Checkpoint", "LinearInfo", "TensorInfo"]
 
 _LINEAR_PARTS = ("trellis", "suh", "svh", "su", "sv", "bias", *MARKERS)
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
-                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    """Header facts of one stored tensor (no data read)."""
-
-    name: str
-    file: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * _DTYPE_BYTES.get(self.dtype, 0)
-
-
 @dataclasses.dataclass(frozen=True)
 class LinearInfo:
     """One quantized linear as listed from headers: padded widths, K from the trellis shape, codebook."""
@@ -85,48 +61,22 @@ class Exl3Checkpoint:
     """
 
     def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path)
-        if not self.path.exists():
-            raise FormatError(f"{self.path}: no such file or directory")
-        self.config: Optional[dict[str, Any]] = None
+        try:
+            self.files = TensorFiles(path)
+        except TensorFileError as exc:
+            raise FormatError(str(exc)) from None
+        self.path = self.files.path
+        self.root = self.files.root
+        self.config: Optional[dict[str, Any]] = self.files.config
         self.storage_config: Optional[dict[str, Any]] = None
-        if self.path.is_dir():
-            self.root = self.path
-            self.config = _read_json(self.path / CONFIG_NAME) if (self.path / CONFIG_NAME).exists() else None
-            if (self.path / QCONFIG_NAME).exists():
-                self.storage_config = _read_json(self.path / QCONFIG_NAME)
-            files = self._shard_files()
-        else:
-            if self.path.suffix != ".safetensors":
-                raise FormatError(f"{self.path}: expected a model directory or a .safetensors file")
-            self.root = self.path.parent
-            files = {self.path.name: None}
+        if self.path.is_dir() and (self.path / QCONFIG_NAME).exists():
+            try:
+                self.storage_config = read_json(self.path / QCONFIG_NAME)
+            except TensorFileError as exc:
+                raise FormatError(str(exc)) from None
         self._check_quant_method()
-        self._handles: dict[str, Any] = {}
-        self._tensors: dict[str, TensorInfo] = {}
-        for fname, expected in files.items():
-            self._read_header(fname, expected)
+        self._tensors: dict[str, TensorInfo] = {n: self.files.info(n) for n in self.files.names()}
         self._linears = self._find_linears()
-
-    # ---- discovery -----------------------------------------------------------------------------
-    def _shard_files(self) -> dict[str, Optional[set[str]]]:
-        index_path = self.path / INDEX_NAME
-        if index_path.exists():
-            index = _read_json(index_path)
-            wmap = index.get("weight_map")
-            if not isinstance(wmap, dict) or not wmap:
-                raise FormatError(f"{index_path}: missing or empty 'weight_map'")
-            files: dict[str, Optional[set[str]]] = {}
-            for tname, fname in wmap.items():
-                files.setdefault(fname, set()).add(tname)
-            for fname in files:
-                if not (self.path / fname).is_file():
-                    raise FormatError(f"{index_path}: shard {fname!r} is listed but missing from {self.path}")
-            return files
-        found = sorted(p.name for p in self.path.glob("*.safetensors"))
-        if not found:
-            raise FormatError(f"{self.path}: no .safetensors files (and no {INDEX_NAME})")
-        return {f: None for f in found}
 
     def _check_quant_method(self) -> None:
         qc = self.quantization_config
@@ -138,25 +88,6 @@ class Exl3Checkpoint:
                 f"{self.root / CONFIG_NAME}: quantization_config.quant_method is {method!r}, not 'exl3'; "
                 f"this is not an EXL3 checkpoint"
             )
-
-    def _read_header(self, fname: str, expected: Optional[set[str]]) -> None:
-        fpath = self.root / fname
-        try:
-            handle = safe_open(str(fpath), framework="pt")
-        except Exception as exc:  # safetensors raises its own error types
-            raise FormatError(f"{fpath}: not a readable safetensors file ({exc})") from None
-        self._handles[fname] = handle
-        keys = set(handle.keys())
-        if expected is not None and not expected <= keys:
-            missing = sorted(expected - keys)[:3]
-            raise FormatError(f"{fpath}: the index lists tensors missing from this shard, e.g. {missing}")
-        for name in keys:
-            if expected is not None and name not in expected:
-                continue  # not this shard's per the index
-            if name in self._tensors:
-                raise FormatError(f"{name}: stored twice ({self._tensors[name].file} and {fname})")
-            sl = handle.get_slice(name)
-            self._tensors[name] = TensorInfo(name, fname, sl.get_dtype(), tuple(sl.get_shape()))
 
     def _find_linears(self) -> dict[str, LinearInfo]:
         out: dict[str, LinearInfo] = {}
@@ -179,7 +110,7 @@ class Exl3Checkpoint:
                 codebook=markers[0] if markers else "3inst",
                 nbytes=sum(self._tensors[p].nbytes for p in parts), has_bias=has("bias"),
             )
-        return dict(sorted(out.items(), key=lambda kv: _natural_key(kv[0])))
+        return dict(sorted(out.items(), key=lambda kv: natural_key(kv[0])))
 
     # ---- public API ----------------------------------------------------------------------------
     @property
@@ -191,7 +122,7 @@ class Exl3Checkpoint:
         return qc if isinstance(qc, dict) else None
 
     def tensor_names(self) -> list[str]:
-        return sorted(self._tensors, key=_natural_key)
+        return sorted(self._tensors, key=natural_key)
 
     def tensor_info(self, name: str) -> TensorInfo:
         try:
@@ -201,8 +132,8 @@ class Exl3Checkpoint:
 
     def tensor(self, name: str) -> torch.Tensor:
         """Load one tensor (memory-mapped read of just that tensor)."""
-        info = self.tensor_info(name)
-        return self._handles[info.file].get_tensor(name)
+        self.tensor_info(name)
+        return self.files.tensor(name)
 
     def linears(self) -> list[LinearInfo]:
         """Every quantized linear, in natural name order."""
@@ -252,19 +183,3 @@ class Exl3Checkpoint:
             "codebooks": by_cb,
             "config_bits": (self.quantization_config or {}).get("bits"),
         }
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise FormatError(f"{path}: invalid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise FormatError(f"{path}: expected a JSON object")
-    return data
-
-
-def _natural_key(name: str) -> list[tuple[int, Any]]:
-    """Sort ``layers.10`` after ``layers.9`` (numbers before words at the same depth)."""
-    return [(0, int(p)) if p.isdigit() else (1, p) for p in name.split(".")]

@@ -73,6 +73,8 @@ class EncodedLinear:
     in_features: Optional[int] = None
     out_features: Optional[int] = None
     name: str = ""
+    #: free-form facts about how this encoding was made (proxy_err, g_scale, seed, …); not stored in checkpoints
+    info: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     bits: Bits = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,80 @@
+"""``exl3rt quantize SRC OUT``: convert a Hugging Face safetensors checkpoint to EXL3."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+HELP = "convert a Hugging Face safetensors checkpoint to an EXL3 checkpoint"
+
+DESCRIPTION = HELP + """.
+
+Every linear layer is encoded at --bits (the lm_head at --head-bits); embeddings, norms and MoE
+routers are copied unquantized; MoE experts stored per expert become per-expert EXL3 linears.
+The result loads in exllamav3 and in exl3rt.
+
+Without --calibrate each layer is encoded on its own (fast, what online quantization does).
+With --calibrate TEXT the model runs over the text once (needs transformers) and each layer
+is encoded with LDLQ error feedback from its input Hessian, and its scales refitted.
+
+A crash or Ctrl-C loses at most the layer in progress: rerun the same command to resume
+(finished layers are kept in OUT/.exl3rt-work until the checkpoint is complete).
+
+examples:
+  exl3rt quantize ./SmolLM2-135M ./SmolLM2-135M-exl3-4.0 --bits 4
+  exl3rt quantize ./model ./model-exl3 --bits 3 --bits-for '*.down_proj=4' --codebook mul1
+  exl3rt quantize ./model ./model-exl3 --bits 4 --calibrate wiki.txt --calib-rows 64
+"""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("quantize", help=HELP, description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="Hugging Face model directory (config.json + *.safetensors)")
+    p.add_argument("out", help="output directory for the EXL3 checkpoint")
+    p.add_argument("--bits", type=float, default=4, help="bits per weight K: 1..8, or 1.5/2.5/3.5 with mul1 (default 4)")
+    p.add_argument("--codebook", default="mcg", choices=("mcg", "mul1", "3inst"), help="codebook (default mcg)")
+    p.add_argument("--head-bits", type=float, default=6, help="lm_head bits; 16 keeps it unquantized (default 6)")
+    p.add_argument("--bits-for", action="append", default=[], metavar="PATTERN=K",
+                   help="per-module K by shell pattern on the module name, e.g. '*.down_proj=5' (repeatable)")
+    p.add_argument("--keep", action="append", default=[], metavar="PATTERN",
+                   help="keep matching modules unquantized, e.g. '*.layers.0.*' (repeatable)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random sign vectors (default 0)")
+    p.add_argument("--calibrate", metavar="TEXT", help="text file for calibration (LDLQ + scale refit)")
+    p.add_argument("--calib-rows", type=int, default=32, help="calibration sequences (default 32)")
+    p.add_argument("--calib-tokens", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument("--backend", default="auto", choices=("auto", "numba", "triton", "torch"),
+                   help="Viterbi backend (default auto: triton on CUDA, numba on CPU)")
+    p.add_argument("--device", default="cpu", help="device for the encoder, e.g. cuda (default cpu)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint or unfinished conversion in OUT")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+
+
+def _bits(x: float) -> Any:
+    return int(x) if float(x).is_integer() else x
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..convert import convert_checkpoint
+    from ..convert.plan import parse_overrides
+
+    hessians, calib_id = None, None
+    if args.calibrate:
+        from ..convert.calibrate import collect_hessians
+
+        hessians, calib_id = collect_hessians(args.src, args.calibrate, rows=args.calib_rows,
+                                              tokens=args.calib_tokens, device=args.device,
+                                              progress=not args.quiet)
+    summary = convert_checkpoint(
+        args.src, args.out, bits=_bits(args.bits), codebook=args.codebook, head_bits=_bits(args.head_bits),
+        seed=args.seed, keep=tuple(args.keep), overrides=tuple(parse_overrides(args.bits_for)),
+        hessians=hessians, calibration_id=calib_id, backend=args.backend, device=args.device,
+        overwrite=args.overwrite, progress=not args.quiet,
+    )
+    err = summary["mean_proxy_err"]
+    print(f"wrote {summary['out']}: {summary['linears']} linears ({summary['encoded']} encoded, "
+          f"{summary['reused']} resumed), {summary['weights']:,} weights in {summary['seconds']:.1f} s"
+          + (f", mean proxy error {err:.2e}" if err is not None else ""))
+    print(f"next: exl3rt inspect {summary['out']}")
+    return 0

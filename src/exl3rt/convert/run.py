@@ -1,0 +1,174 @@
+"""Run a conversion plan: encode each linear, keep finished layers across crashes, write the checkpoint.
+
+Finished layers are published one file each (atomically) under ``OUT/.exl3rt-work/layers/``
+together with ``job.json`` (the settings and the source files' sizes and times). A rerun with the
+same settings skips every layer already there and valid; different settings or a changed
+source are refused rather than mixed. When all layers are done the EXL3 checkpoint is written
+(shards, index, configs) and the work folder is removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .. import __version__
+from ..encode.errors import EncodeError
+from ..encode.quantize import ENCODER_VERSION, quantize_weight
+from ..format.checkpoint import CONFIG_NAME
+from ..format.checkpoint_write import CheckpointWriter
+from ..format.encoded import EncodedLinear, padded_width
+from ..format.errors import FormatError
+from ..util.fs import atomic_path, atomic_write_text
+from ..util.progress import Progress
+from ..util.tensorfiles import TensorFiles, natural_key
+from .plan import ConversionPlan, LinearJob, plan_conversion
+
+log = logging.getLogger("exl3rt.convert")
+
+WORK_DIR = ".exl3rt-work"
+
+
+def module_seed(name: str, seed: int) -> int:
+    """A per-module seed that does not depend on processing order."""
+    return (zlib.crc32(name.encode()) + int(seed)) & 0x7FFFFFFF
+
+
+def _job_record(src: TensorFiles, plan: ConversionPlan, settings: dict[str, Any]) -> dict[str, Any]:
+    files = sorted({src.info(n).file for n in src.names()})
+    stats = [[f, (src.root / f).stat().st_size, (src.root / f).stat().st_mtime_ns] for f in files]
+    return {"exl3rt": __version__, "encoder_version": ENCODER_VERSION, **settings,
+            "layers": {j.name: [j.bits, j.codebook] for j in plan.linears}, "source": stats}
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _load_layer(path: Path, job: LinearJob, digest: str) -> Optional[EncodedLinear]:
+    """A finished layer from the work folder, or None if absent, foreign or invalid."""
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if meta.get("job") != digest or meta.get("name") != job.name:
+            return None
+        lin = EncodedLinear.from_state_dict(tensors, job.name, in_features=job.in_features,
+                                            out_features=job.out_features)
+        if lin.bits != job.bits or lin.codebook != job.codebook:
+            return None
+        lin.info = json.loads(meta.get("info", "{}"))
+        return lin
+    except (FormatError, OSError, ValueError, RuntimeError) as exc:
+        log.warning("%s: ignoring an unreadable finished layer (%s); encoding it again", path.name, exc)
+        return None
+
+
+def _source_weight(src: TensorFiles, job: LinearJob) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    w = src.tensor(job.weight).to(torch.float32).T.contiguous()  # HF [out, in] -> EXL3 [in, out]
+    bias = None
+    if job.bias:
+        b = src.tensor(job.bias).to(torch.float16)
+        bias = torch.zeros(padded_width(job.out_features), dtype=torch.float16)
+        bias[: b.shape[0]] = b
+    return w, bias
+
+
+def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codebook: str = "mcg", head_bits=6,
+                       seed: int = 0, keep: tuple[str, ...] = (), overrides: tuple = (),
+                       hessians: Optional[Callable[[str], Optional[torch.Tensor]]] = None,
+                       calibration_id: Optional[str] = None, backend: str = "auto",
+                       device: str | torch.device = "cpu", overwrite: bool = False, progress: bool = True,
+                       max_shard_bytes: Optional[int] = None) -> dict[str, Any]:
+    """Convert the HF checkpoint at ``src_path`` to EXL3 in ``out``; returns a summary dict.
+
+    ``hessians(name)`` gives a layer's ``XᵀX/n`` (calibrated mode) or None; ``calibration_id``
+    identifies that data for resumption.
+    """
+    t0 = time.perf_counter()
+    src = TensorFiles(src_path)
+    out = Path(out)
+    if src.config is None:
+        raise EncodeError(f"{src.path}: no config.json; exl3rt quantize needs a Hugging Face model directory")
+    if (out / CONFIG_NAME).exists() and not overwrite:
+        raise EncodeError(f"{out}: already holds a model (config.json); choose a new directory or --overwrite")
+    plan = plan_conversion(src, bits, codebook, head_bits=head_bits, keep=keep, overrides=overrides)
+    settings = {"bits": bits, "codebook": codebook, "head_bits": head_bits, "seed": seed, "keep": list(keep),
+                "overrides": [list(o) for o in overrides], "calibration": calibration_id}
+    record = _job_record(src, plan, settings)
+    digest = _digest(record)
+    work = out / WORK_DIR
+    layers_dir = work / "layers"
+    job_file = work / "job.json"
+    if job_file.exists():
+        old = json.loads(job_file.read_text())
+        if _digest(old) != digest:
+            if not overwrite:
+                raise EncodeError(
+                    f"{out}: holds an unfinished conversion with different settings or a changed source; "
+                    f"rerun with the same settings to resume, or pass --overwrite to start over"
+                )
+            shutil.rmtree(work)
+    layers_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(job_file, json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+    encoded, reused, errs = 0, 0, []
+    padded = {j.name: padded_width(j.in_features) * padded_width(j.out_features) for j in plan.linears}
+    bar = Progress(sum(padded.values()), "encoding", unit="w", enabled=progress)
+    for job in plan.linears:
+        path = layers_dir / f"{job.name}.safetensors"
+        lin = _load_layer(path, job, digest)
+        if lin is not None:
+            reused += 1
+            bar.update(padded[job.name], note=f"{job.name} (done before)")
+        else:
+            w, bias = _source_weight(src, job)
+            h = hessians(job.name) if hessians else None
+            lin = quantize_weight(w.to(device), job.bits, job.codebook, hessian=h, seed=module_seed(job.name, seed),
+                                  backend=backend, name=job.name, progress=lambda tiles: bar.update(256 * tiles))
+            lin = lin.to("cpu")
+            if bias is not None:
+                lin.bias = bias
+                lin.validate()
+            meta = {"job": digest, "name": job.name, "info": json.dumps(lin.info)}
+            with atomic_path(path) as tmp:
+                save_file({k: v.contiguous() for k, v in lin.state_dict().items()}, str(tmp), metadata=meta)
+            encoded += 1
+            bar.update(0, note=f"{job.name} K={job.bits} err={lin.info.get('proxy_err', 0):.2e}")
+        errs.append(float(lin.info.get("proxy_err", float("nan"))))
+    bar.close()
+
+    kw = {"overwrite": True}
+    if max_shard_bytes:
+        kw["max_shard_bytes"] = max_shard_bytes
+    entries: list[tuple[str, Optional[LinearJob]]] = [(f"{j.name}.weight", j) for j in plan.linears]
+    entries += [(name, None) for name in plan.copies]
+    with CheckpointWriter(out, **kw) as writer:
+        for name, job in sorted(entries, key=lambda e: natural_key(e[0])):
+            if job is None:
+                writer.add_tensor(name, src.tensor(name))
+                continue
+            lin = _load_layer(layers_dir / f"{job.name}.safetensors", job, digest)
+            if lin is None:
+                raise EncodeError(f"{job.name}: finished layer vanished from {layers_dir}; rerun to re-encode it")
+            writer.add_linear(job.name, lin)
+        config = dict(src.config)
+        qfields = {"calibration": {"id": calibration_id} if calibration_id else None, "seed": seed}
+        writer.finish(config, quantization_config=qfields)
+    shutil.rmtree(work, ignore_errors=True)
+    finite = [e for e in errs if e == e]
+    return {"out": str(out), "linears": len(plan.linears), "encoded": encoded, "reused": reused,
+            "weights": plan.total_weights, "seconds": time.perf_counter() - t0,
+            "mean_proxy_err": sum(finite) / len(finite) if finite else None}

@@ -1,0 +1,75 @@
+"""Viterbi backends: the same tail-biting search on different machines.
+
+| name     | where            | module                     |
+|----------|------------------|----------------------------|
+| `torch`  | any device, slow | ``viterbi_ref``  (readable reference, tiny inputs and tests) |
+| `numba`  | CPU              | ``viterbi_numba`` (fast CPU backend) |
+| `triton` | CUDA             | ``viterbi_triton`` (GPU backend) |
+
+``auto`` picks triton for CUDA tensors and numba for CPU tensors; if the fast backend for the
+device cannot be imported it says so once (INFO) and uses the torch reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional
+
+import torch
+
+from .errors import EncodeError
+from .regularize import TileEncoder
+
+log = logging.getLogger("exl3rt.encode")
+
+BACKENDS = ("auto", "torch", "numba", "triton")
+
+
+def _load(name: str) -> TileEncoder:
+    if name == "torch":
+        from .viterbi_ref import encode_tiles_ref
+        return encode_tiles_ref
+    if name == "numba":
+        from .viterbi_numba import encode_tiles
+        return encode_tiles
+    if name == "triton":
+        from .viterbi_triton import encode_tiles
+        return encode_tiles
+    raise EncodeError(f"unknown encoder backend {name!r}: expected one of {', '.join(BACKENDS)}")
+
+
+@functools.lru_cache(maxsize=None)
+def _fallback_notice(wanted: str, reason: str) -> None:
+    log.info("encoder backend %s unavailable (%s); using the slow torch reference", wanted, reason)
+
+
+def resolve_backend(backend: str = "auto", device: Optional[torch.device] = None) -> str:
+    """The concrete backend name for ``backend`` on ``device``."""
+    if backend not in BACKENDS:
+        raise EncodeError(f"unknown encoder backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    wanted = "triton" if device is not None and torch.device(device).type == "cuda" else "numba"
+    try:
+        _load(wanted)
+    except ImportError as exc:
+        _fallback_notice(wanted, str(exc))
+        return "torch"
+    return wanted
+
+
+def get_tile_encoder(backend: str = "auto", device: Optional[torch.device] = None) -> TileEncoder:
+    """A function ``encode(targets [T, 256], bits, codebook) -> (states, values)`` on ``device``'s tensors."""
+    name = resolve_backend(backend, device)
+    try:
+        fn = _load(name)
+    except ImportError as exc:
+        raise EncodeError(f"encoder backend {name!r} cannot be imported: {exc}") from None
+
+    def encode(targets: torch.Tensor, bits, codebook: str) -> tuple[torch.Tensor, torch.Tensor]:
+        states, values = fn(targets.contiguous(), bits, codebook)
+        return torch.as_tensor(states).to(targets.device), torch.as_tensor(values).to(targets.device)
+
+    encode.backend = name  # type: ignore[attr-defined]
+    return encode

@@ -1,0 +1,143 @@
+"""quantize_weight: one linear weight -> EncodedLinear (the reference quantizer's algorithm).
+
+    weight [in, out] fp32 ──pad to 128──► regularize (signs, Hadamards, channel scales) ──► g search
+        ──► tiles: Viterbi (uncalibrated) or LDLQ with the block-LDL of the rotated Hessian
+        ──► pack, fp16 scales ──► (calibrated: least-squares scale refit) ──► EncodedLinear
+
+``info`` on the result records: proxy_err, g_scale, seed, backend, calibrated, seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional
+
+import torch
+
+from ..format.bits import Bits, is_half, normalize_bits
+from ..format.bitstream import pack_states
+from ..format.codebooks import check_codebook
+from ..format.encoded import EncodedLinear, padded_width
+from ..format.errors import FormatError
+from ..format.hadamard import hadamard_blocks
+from .backends import get_tile_encoder
+from .errors import EncodeError
+from .ldl import SIGMA_REG, block_ldl_feedback, damp, rotate
+from .ldlq import quantize_ldlq, quantize_straight
+from .refit import refit_scales
+from .regularize import DRIFT, random_signs, regularize, sample_tiles, search_global_scale
+
+log = logging.getLogger("exl3rt.encode")
+
+#: bump when anything that changes the encoding for the same inputs changes (cache keys use it)
+ENCODER_VERSION = 1
+
+
+def _check_weight(weight: torch.Tensor, name: str) -> None:
+    label = name or "weight"
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise EncodeError(f"{label}: expected a 2-D [in, out] tensor, got {getattr(weight, 'shape', type(weight))}")
+    if not weight.dtype.is_floating_point:
+        raise EncodeError(f"{label}: expected a floating-point weight, got {weight.dtype}")
+    if weight.numel() == 0:
+        raise EncodeError(f"{label}: empty weight {tuple(weight.shape)}")
+    bad = int((~torch.isfinite(weight)).sum())
+    if bad:
+        raise EncodeError(f"{label}: {bad} non-finite value(s) (NaN/inf) in the weight; the source checkpoint "
+                          f"is corrupt or was saved after a diverged update")
+
+
+def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    if t.shape == (rows, cols):
+        return t
+    out = torch.zeros((rows, cols), dtype=t.dtype, device=t.device)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+def proxy_error(w: torch.Tensor, wq: torch.Tensor, h: Optional[torch.Tensor] = None) -> float:
+    """``tr(Eᵀ H E) / tr(Wᵀ H W)`` with E = W − Wq (``[in, out]``); relative MSE when ``h`` is None."""
+    e = (w - wq).double()
+    w = w.double()
+    if h is None:
+        return float(e.square().sum() / w.square().sum())
+    h = h.double()
+    return float((e * (h @ e)).sum() / (w * (h @ w)).sum())
+
+
+def quantize_weight(weight: torch.Tensor, bits: Bits, codebook: str = "mcg", hessian: Optional[torch.Tensor] = None,
+                    seed: int = 0, *, backend: str = "auto", out_scales: bool = True, refit: bool = True,
+                    sigma_reg: float = SIGMA_REG, name: str = "",
+                    progress: Optional[Callable[[int], None]] = None) -> EncodedLinear:
+    """Encode ``weight`` (``[in, out]``, EXL3 orientation; the HF weight transposed) at K = ``bits``.
+
+    ``hessian`` (``[in, in]`` = XᵀX/n of the layer's inputs) turns on calibrated mode: LDLQ error
+    feedback and the scale refit. Without it every tile is encoded on its own (the online path).
+    Widths that are not multiples of 128 are zero-padded (recorded as logical widths in the result).
+    ``progress(n)`` is called as tiles finish (``(in_p/16)·(out_p/16)`` in all).
+    """
+    t0 = time.perf_counter()
+    _check_weight(weight, name)
+    try:
+        bits = normalize_bits(bits, name=f"{name or 'weight'}: bits")
+        check_codebook(codebook)
+    except FormatError as exc:
+        raise EncodeError(str(exc)) from None
+    if is_half(bits) and codebook != "mul1":
+        raise EncodeError(f"{name or 'weight'}: half-integer bits ({bits}) need codebook='mul1', not {codebook!r}")
+    n_in, n_out = weight.shape
+    in_p, out_p = padded_width(n_in), padded_width(n_out)
+    device = weight.device
+    w = _pad(weight.detach().to(torch.float32), in_p, out_p)
+
+    gen = torch.Generator().manual_seed(int(seed))
+    su_sign = random_signs(in_p, gen).to(device)
+    sv_sign = random_signs(out_p, gen).to(device)
+
+    h_damped = None
+    if hessian is not None:
+        if hessian.shape != (n_in, n_in):
+            raise EncodeError(f"{name or 'weight'}: hessian shape {tuple(hessian.shape)} does not match "
+                              f"in_features {n_in} (expected [{n_in}, {n_in}])")
+        h_damped = damp(_pad(hessian.detach().to(device, torch.float64), in_p, in_p), sigma_reg)
+        if h_damped is None:
+            log.info("%s: hessian carries no signal (zero or non-finite diagonal); encoding uncalibrated", name)
+    calibrated = h_damped is not None
+
+    encode = get_tile_encoder(backend, device)
+    reg = regularize(w, su_sign, sv_sign, out_scales=out_scales)
+    drift = DRIFT.get(bits, 1.0) if calibrated else 1.0
+    g = search_global_scale(encode, sample_tiles(reg.w), bits, codebook, drift=drift)
+    w_r = reg.w * g
+    su = reg.su / g
+    sv = reg.sv
+
+    if calibrated:
+        feedback = block_ldl_feedback(rotate(h_damped, su_sign), sigma_reg, name=name)
+        states, q = quantize_ldlq(w_r, feedback, encode, bits, codebook, progress)
+    else:
+        states, q = quantize_straight(w_r, encode, bits, codebook, progress)
+    trellis = pack_states(states, bits)
+
+    basis = None
+    if calibrated and refit:
+        basis = hadamard_blocks(hadamard_blocks(q.double(), dim=0), dim=1)
+        su, sv = refit_scales(w, basis, su, sv, h_damped)
+    if calibrated:
+        if basis is None:
+            basis = hadamard_blocks(hadamard_blocks(q.double(), dim=0), dim=1)
+        wq = basis * su.double().half().double()[:, None] * sv.double().half().double()[None, :]
+        err = proxy_error(w, wq, h_damped)
+    else:
+        err = proxy_error(w_r, q)
+
+    result = EncodedLinear(
+        trellis=trellis, suh=su.to(torch.float16), svh=sv.to(torch.float16), codebook=codebook,
+        in_features=n_in, out_features=n_out, name=name,
+    )
+    result.info = {
+        "proxy_err": err, "g_scale": g, "seed": int(seed), "backend": getattr(encode, "backend", backend),
+        "calibrated": calibrated, "seconds": time.perf_counter() - t0, "encoder_version": ENCODER_VERSION,
+    }
+    return result

@@ -1,0 +1,129 @@
+"""Incoherence processing: random signs, 128-block Hadamards, channel scales, and the global scale.
+
+For W (``[in_p, out_p]``, fp32) and seeded sign vectors ``su0`` (in), ``sv0`` (out):
+
+1. ``out_rms_n`` = RMS of column n, normalized to mean 1 (all-zero columns: 0.1);
+   ``sv = sv0 · out_rms + 1e-10`` (or just ``sv0`` without output scales); ``W ← W / sv`` per column;
+   then ``sv[zero columns] = 0``;
+2. ``W ← W · Hn`` (blockwise Hadamard on the output side);
+3. ``in_rms_k`` = RMS of row k (zeros: 0.1); ``su = su0 · in_rms / (−1.24371088) + 1e-10``; ``W ← W / su``;
+4. ``W ← Hk · W``: W now has RMS ≈ 1.2437, the codebooks' RMS;
+5. global scale g (:func:`search_global_scale`): ``W ← g·W``, ``su ← su / g``.
+
+Then ``W_original = diag(su) · Hk · W_r · Hn · diag(sv)``, which is exactly the reconstruction
+formula with ``suh = su``, ``svh = sv`` once ``W_r`` is replaced by the decoded Q.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from ..format.codebooks import CODEBOOK_SCALE
+from ..format.hadamard import hadamard_blocks
+from ..format.tiles import matrix_to_tiles
+
+#: encode_tiles(targets [T, 256] fp32, bits, codebook) -> (states int16 [T, 256], values fp32 [T, 256])
+TileEncoder = Callable[[torch.Tensor, object, str], tuple[torch.Tensor, torch.Tensor]]
+
+#: LDLQ drift factor applied to the g-search samples in calibrated mode (exllamav3 1.6.x)
+DRIFT = {1: 1.08, 1.5: 1.035, 2: 1.018, 2.5: 1.009, 3: 1.004}
+
+
+def random_signs(n: int, generator: torch.Generator) -> torch.Tensor:
+    """±1 (fp32, CPU) from the signs of ``randn``; zero draws count as +1."""
+    return torch.where(torch.randn(n, generator=generator) < 0, -1.0, 1.0)
+
+
+def _rms(w: torch.Tensor, dim: int) -> torch.Tensor:
+    return w.square().mean(dim=dim).sqrt()
+
+
+@dataclasses.dataclass
+class Regularized:
+    """The rotated, scaled weight and the scales that undo it."""
+
+    w: torch.Tensor    # [in_p, out_p] fp32, rotated basis, RMS ≈ 1.2437 · g
+    su: torch.Tensor   # [in_p] fp32 (sign · scale / g)
+    sv: torch.Tensor   # [out_p] fp32 (sign · scale; 0 for all-zero columns)
+    g: float = 1.0
+
+
+def regularize(w: torch.Tensor, su_sign: torch.Tensor, sv_sign: torch.Tensor, *,
+               out_scales: bool = True) -> Regularized:
+    """Steps 1–4 of the module docstring (the global scale is applied separately)."""
+    w = w.to(torch.float32)
+    su_sign = su_sign.to(w.device, torch.float32)
+    sv_sign = sv_sign.to(w.device, torch.float32)
+    col_rms = _rms(w, 0)
+    zero_cols = col_rms == 0
+    if out_scales:
+        out_rms = torch.where(zero_cols, torch.full_like(col_rms, 0.1), col_rms)
+        out_rms = out_rms / out_rms.mean()
+        sv = sv_sign * out_rms + 1e-10
+    else:
+        sv = sv_sign.clone()
+    w = w / sv[None, :]
+    sv = torch.where(zero_cols, torch.zeros_like(sv), sv)
+    w = hadamard_blocks(w, dim=1)
+    row_rms = _rms(w, 1)
+    row_rms = torch.where(row_rms == 0, torch.full_like(row_rms, 0.1), row_rms)
+    su = su_sign * row_rms / (-CODEBOOK_SCALE) + 1e-10
+    w = w / su[:, None]
+    w = hadamard_blocks(w, dim=0)
+    return Regularized(w=w, su=su, sv=sv)
+
+
+def sample_tiles(w: torch.Tensor) -> torch.Tensor:
+    """Tiles for the g search, in stream order ``[S, 256]``.
+
+    A wrapped diagonal of width 3 over the tile grid (every tile row and column appears) plus the
+    ``max(8, 3·diag_len/16)`` highest- and lowest-RMS tiles.
+    """
+    tiles = matrix_to_tiles(w)  # [tk, tn, 256]
+    tk, tn, _ = tiles.shape
+    diag_len = max(tk, tn)
+    picks = {(d % tk, (d + j) % tn) for d in range(diag_len) for j in range(3)}
+    flat = tiles.reshape(-1, 256)
+    rms = _rms(flat, 1)
+    extra = min(max(8, 3 * diag_len // 16), flat.shape[0])
+    order = torch.argsort(rms)
+    ids = {a * tn + b for a, b in picks}
+    ids.update(order[:extra].tolist())
+    ids.update(order[-extra:].tolist())
+    return flat[sorted(ids)]
+
+
+def _scale_error(encode: TileEncoder, tiles: torch.Tensor, g: float, bits, codebook: str) -> float:
+    _, values = encode(tiles * g, bits, codebook)
+    return float((values.to(tiles.device) / g - tiles).square().mean())
+
+
+def search_global_scale(encode: TileEncoder, samples: torch.Tensor, bits, codebook: str, *,
+                        drift: float = 1.0) -> float:
+    """g minimizing ``mean((Q(g·T)/g − T)²)`` over sample tiles T (already multiplied by ``drift``).
+
+    Coarse grid g ∈ {0.1, 0.3, …, 1.9} on every 3rd sample; 5 points spaced 0.075 around the
+    coarse best on all samples; parabolic refinement through the best fine point and its
+    neighbours, the offset clipped to ±0.5 step.
+    """
+    t = samples * drift
+    coarse = [0.1 + 0.2 * i for i in range(10)]
+    sub = t[::3] if t.shape[0] >= 3 else t
+    errs = [_scale_error(encode, sub, g, bits, codebook) for g in coarse]
+    g0 = coarse[min(range(len(errs)), key=errs.__getitem__)]
+    step = 0.075
+    fine = [g0 + step * d for d in (-2, -1, 0, 1, 2)]
+    fine = [g for g in fine if g > 0]
+    ferrs = [_scale_error(encode, t, g, bits, codebook) for g in fine]
+    i = min(range(len(ferrs)), key=ferrs.__getitem__)
+    g = fine[i]
+    if 0 < i < len(fine) - 1:
+        e0, e1, e2 = ferrs[i - 1], ferrs[i], ferrs[i + 1]
+        denom = e0 - 2 * e1 + e2
+        if denom > 0:
+            offset = 0.5 * (e0 - e2) / denom
+            g += step * max(-0.5, min(0.5, offset))
+    return g

@@ -1,0 +1,139 @@
+"""A set of safetensors files read lazily: a model directory (with or without an index) or one file.
+
+Only headers are read at open; each tensor is memory-mapped and read on request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors import safe_open
+
+INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+class TensorFileError(ValueError):
+    """A missing, unreadable or inconsistent safetensors file or index."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Header facts of one stored tensor (no data read)."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _DTYPE_BYTES.get(self.dtype, 0)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise TensorFileError(f"{path}: invalid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise TensorFileError(f"{path}: expected a JSON object")
+    return data
+
+
+def natural_key(name: str) -> list[tuple[int, Any]]:
+    """Sort ``layers.10`` after ``layers.9`` (numbers before words at the same depth)."""
+    return [(0, int(p)) if p.isdigit() else (1, p) for p in name.split(".")]
+
+
+class TensorFiles:
+    """Lazy access to the tensors of a model directory or a single ``.safetensors`` file."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise TensorFileError(f"{self.path}: no such file or directory")
+        self.config: Optional[dict[str, Any]] = None
+        if self.path.is_dir():
+            self.root = self.path
+            if (self.path / CONFIG_NAME).exists():
+                self.config = read_json(self.path / CONFIG_NAME)
+            files = self._shard_files()
+        else:
+            if self.path.suffix != ".safetensors":
+                raise TensorFileError(f"{self.path}: expected a model directory or a .safetensors file")
+            self.root = self.path.parent
+            files = {self.path.name: None}
+        self._handles: dict[str, Any] = {}
+        self._tensors: dict[str, TensorInfo] = {}
+        for fname, expected in files.items():
+            self._read_header(fname, expected)
+
+    def _shard_files(self) -> dict[str, Optional[set[str]]]:
+        index_path = self.path / INDEX_NAME
+        if index_path.exists():
+            wmap = read_json(index_path).get("weight_map")
+            if not isinstance(wmap, dict) or not wmap:
+                raise TensorFileError(f"{index_path}: missing or empty 'weight_map'")
+            files: dict[str, Optional[set[str]]] = {}
+            for tname, fname in wmap.items():
+                files.setdefault(fname, set()).add(tname)
+            for fname in files:
+                if not (self.path / fname).is_file():
+                    raise TensorFileError(f"{index_path}: shard {fname!r} is listed but missing from {self.path}")
+            return files
+        found = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not found:
+            raise TensorFileError(f"{self.path}: no .safetensors files (and no {INDEX_NAME})")
+        return {f: None for f in found}
+
+    def _read_header(self, fname: str, expected: Optional[set[str]]) -> None:
+        fpath = self.root / fname
+        try:
+            handle = safe_open(str(fpath), framework="pt")
+        except Exception as exc:  # safetensors raises its own error types
+            raise TensorFileError(f"{fpath}: not a readable safetensors file ({exc})") from None
+        self._handles[fname] = handle
+        keys = set(handle.keys())
+        if expected is not None and not expected <= keys:
+            missing = sorted(expected - keys)[:3]
+            raise TensorFileError(f"{fpath}: the index lists tensors missing from this shard, e.g. {missing}")
+        for name in keys:
+            if expected is not None and name not in expected:
+                continue  # not this shard's per the index
+            if name in self._tensors:
+                raise TensorFileError(f"{name}: stored twice ({self._tensors[name].file} and {fname})")
+            sl = handle.get_slice(name)
+            self._tensors[name] = TensorInfo(name, fname, sl.get_dtype(), tuple(sl.get_shape()))
+
+    def names(self) -> list[str]:
+        return sorted(self._tensors, key=natural_key)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise TensorFileError(f"{name}: no such tensor in {self.path}") from None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Load one tensor (memory-mapped read of just that tensor)."""
+        return self._handles[self.info(name).file].get_tensor(name)

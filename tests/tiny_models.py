@@ -1,0 +1,44 @@
+"""Tiny random Hugging Face models written to disk for tests (no hub access needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven small birds sing about rivers "
+         "mountains and the old city near the sea").split()
+
+
+def calibration_text(n_words: int = 1200, seed: int = 0) -> str:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(WORDS), (n_words,), generator=g)
+    return " ".join(WORDS[int(i)] for i in idx)
+
+
+def save_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2}
+    for w in WORDS:
+        vocab.setdefault(w, len(vocab))
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(str(path))
+
+
+def tiny_llama(path: Path, *, hidden: int = 128, intermediate: int = 200, layers: int = 2, vocab: int = 64,
+               tie: bool = True, seed: int = 0) -> Path:
+    """A random Llama (widths not all multiples of 128) saved as safetensors with a tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                      max_position_embeddings=256, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(str(path), safe_serialization=True)
+    save_tokenizer(path)
+    return path
