@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--golden", default=str(REPO.parent / "shared" / "golden"))
-    ap.add_argument("--backend", default="numba")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="benchmarks/results/encode_quality.json")
     args = ap.parse_args()
     files = sorted(Path(args.golden).glob("[0-9]*.safetensors"))
@@ -40,11 +41,14 @@ def main() -> None:
         k = int(k) if k.is_integer() else k
         w = g["weight"]
         hess = g.get("H")
-        enc = quantize_weight(w, k, meta["codebook"], hessian=hess, seed=int(meta["seed"]), backend=args.backend)
+        dev_w = w.to(args.device)
+        dev_h = None if hess is None else hess.to(args.device)
+        enc = quantize_weight(dev_w, k, meta["codebook"], hessian=dev_h, seed=int(meta["seed"]),
+                              backend=args.backend).to("cpu")
         ours = float((enc.reconstruct() - w).norm() / w.norm())
         ref = float((g["recon"] - w).norm() / w.norm())
         row = {"file": f.name, "K": k, "codebook": meta["codebook"], "ref_rel_err": ref, "our_rel_err": ours,
-               "ratio": ours / ref, "seconds": enc.info["seconds"]}
+               "ratio": ours / ref, "seconds": enc.info["seconds"], "backend": enc.info["backend"]}
         if hess is not None:
             row["ref_proxy"] = float(meta["proxy_err"])
             row["our_proxy"] = proxy_error(w, enc.reconstruct(), hess)
@@ -55,7 +59,7 @@ def main() -> None:
         px = f"{r['ref_proxy']:>10.6f} {r['our_proxy']:>10.6f}" if "ref_proxy" in r else ""
         print(f"{r['file']:<42} {r['ref_rel_err']:>8.5f} {r['our_rel_err']:>8.5f} {r['ratio']:>6.3f} {px}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"date": dt.date.today().isoformat(), "commit": sha,
+    Path(args.out).write_text(json.dumps({"date": dt.date.today().isoformat(), "commit": sha, "device": args.device,
                                           "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton reads TRITON_INTERPRET when @triton.jit decorates, i.e. when exl3rt.encode.viterbi_triton
+    # is first imported: set it before any test module can import it, so the GPU kernels run in
+    # Triton's CPU interpreter here and in CI.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from safetensors import safe_open
 
 from exl3rt import env

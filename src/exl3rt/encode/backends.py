@@ -59,16 +59,29 @@ def resolve_backend(backend: str = "auto", device: Optional[torch.device] = None
     return wanted
 
 
-def get_tile_encoder(backend: str = "auto", device: Optional[torch.device] = None) -> TileEncoder:
-    """A function ``encode(targets [T, 256], bits, codebook) -> (states, values)`` on ``device``'s tensors."""
+@functools.lru_cache(maxsize=None)
+def _half_notice() -> None:
+    log.info("the triton backend has no half-integer bitrates; encoding them with numba on the CPU")
+
+
+def get_tile_encoder(backend: str = "auto", device: Optional[torch.device] = None, bits=None) -> TileEncoder:
+    """A function ``encode(targets [T, 256], bits, codebook) -> (states, values)`` on ``device``'s tensors.
+
+    Half-integer ``bits`` with the triton backend run on the numba backend (data moved to the CPU
+    and back), since the GPU kernel covers integer K only.
+    """
     name = resolve_backend(backend, device)
+    if name == "triton" and bits is not None and not float(bits).is_integer():
+        _half_notice()
+        name = "numba"
     try:
         fn = _load(name)
     except ImportError as exc:
         raise EncodeError(f"encoder backend {name!r} cannot be imported: {exc}") from None
 
     def encode(targets: torch.Tensor, bits, codebook: str) -> tuple[torch.Tensor, torch.Tensor]:
-        states, values = fn(targets.contiguous(), bits, codebook)
+        src = targets if name != "numba" else targets.cpu()
+        states, values = fn(src.contiguous(), bits, codebook)
         return torch.as_tensor(states).to(targets.device), torch.as_tensor(values).to(targets.device)
 
     encode.backend = name  # type: ignore[attr-defined]

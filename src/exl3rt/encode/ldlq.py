@@ -19,7 +19,9 @@ from ..format.tiles import matrix_to_tiles, tiles_to_matrix
 from .regularize import TileEncoder
 
 BLOCK = 16
-BATCH_TILES = 4096  # tiles per encoder call in uncalibrated mode (bounds scratch memory, drives progress)
+#: tiles per encoder call in uncalibrated mode: small on the CPU (progress granularity), large on a GPU
+#: (the Triton backend schedules its own waves and sizes its scratch to the device)
+BATCH_TILES = {"cpu": 4096, "cuda": 1 << 20}
 
 Progress = Optional[Callable[[int], None]]  # called with the number of tiles just finished
 
@@ -32,10 +34,11 @@ def quantize_straight(w: torch.Tensor, encode: TileEncoder, bits, codebook: str,
     flat = tiles.reshape(-1, 256).contiguous()
     states = torch.empty(flat.shape, dtype=torch.int16, device=w.device)
     values = torch.empty(flat.shape, dtype=torch.float32, device=w.device)
-    for a in range(0, flat.shape[0], BATCH_TILES):
-        s, v = encode(flat[a:a + BATCH_TILES], bits, codebook)
-        states[a:a + BATCH_TILES] = s.to(w.device)
-        values[a:a + BATCH_TILES] = v.to(w.device)
+    batch = BATCH_TILES.get(w.device.type, BATCH_TILES["cpu"])
+    for a in range(0, flat.shape[0], batch):
+        s, v = encode(flat[a:a + batch], bits, codebook)
+        states[a:a + batch] = s.to(w.device)
+        values[a:a + batch] = v.to(w.device)
         if progress:
             progress(s.shape[0])
     return states.reshape(tk, tn, 256), tiles_to_matrix(values.reshape(tk, tn, 256))

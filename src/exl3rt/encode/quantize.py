@@ -105,7 +105,7 @@ def quantize_weight(weight: torch.Tensor, bits: Bits, codebook: str = "mcg", hes
             log.info("%s: hessian carries no signal (zero or non-finite diagonal); encoding uncalibrated", name)
     calibrated = h_damped is not None
 
-    encode = get_tile_encoder(backend, device)
+    encode = get_tile_encoder(backend, device, bits)
     reg = regularize(w, su_sign, sv_sign, out_scales=out_scales)
     drift = DRIFT.get(bits, 1.0) if calibrated else 1.0
     g = search_global_scale(encode, sample_tiles(reg.w), bits, codebook, drift=drift)
