@@ -101,26 +101,44 @@ def _scale_error(encode: TileEncoder, tiles: torch.Tensor, g: float, bits, codeb
     return float((values.to(tiles.device) / g - tiles).square().mean())
 
 
+def _descend(n: int, start: int, f: Callable[[int], float]) -> dict[int, float]:
+    """Evaluate ``f`` on grid indices ``0..n-1`` lazily: from ``start`` and its neighbours, walk
+    downhill until the best evaluated point has both neighbours evaluated (or is at a grid end).
+
+    For an objective that is unimodal on the grid this finds the same minimum as evaluating the
+    whole grid, at a fraction of the cost (3–4 points instead of all of them, typically).
+    """
+    errs: dict[int, float] = {}
+    todo = [i for i in (start - 1, start, start + 1) if 0 <= i < n]
+    while todo:
+        for i in todo:
+            errs[i] = f(i)
+        best = min(errs, key=lambda i: (errs[i], i))
+        todo = [j for j in (best - 1, best + 1) if 0 <= j < n and j not in errs]
+    return errs
+
+
 def search_global_scale(encode: TileEncoder, samples: torch.Tensor, bits, codebook: str, *,
                         drift: float = 1.0) -> float:
     """g minimizing ``mean((Q(g·T)/g − T)²)`` over sample tiles T (already multiplied by ``drift``).
 
-    Coarse grid g ∈ {0.1, 0.3, …, 1.9} on every 3rd sample; 5 points spaced 0.075 around the
-    coarse best on all samples; parabolic refinement through the best fine point and its
-    neighbours, the offset clipped to ±0.5 step.
+    The reference's search: coarse grid g ∈ {0.1, 0.3, …, 1.9} on every 3rd sample; points spaced
+    0.075 (±2 steps) around the coarse best on all samples; parabolic refinement through the best
+    fine point and its neighbours, the offset clipped to ±0.5 step. Both grids are walked
+    downhill from their middle (:func:`_descend`) instead of evaluated whole: the objective is
+    unimodal in g, so the result is the same and the search costs about half.
     """
     t = samples * drift
     coarse = [0.1 + 0.2 * i for i in range(10)]
     sub = t[::3] if t.shape[0] >= 3 else t
-    errs = [_scale_error(encode, sub, g, bits, codebook) for g in coarse]
-    g0 = coarse[min(range(len(errs)), key=errs.__getitem__)]
+    cerrs = _descend(len(coarse), 4, lambda i: _scale_error(encode, sub, coarse[i], bits, codebook))
+    g0 = coarse[min(cerrs, key=lambda i: (cerrs[i], i))]
     step = 0.075
-    fine = [g0 + step * d for d in (-2, -1, 0, 1, 2)]
-    fine = [g for g in fine if g > 0]
-    ferrs = [_scale_error(encode, t, g, bits, codebook) for g in fine]
-    i = min(range(len(ferrs)), key=ferrs.__getitem__)
+    fine = [g for g in (g0 + step * d for d in (-2, -1, 0, 1, 2)) if g > 0]
+    ferrs = _descend(len(fine), fine.index(g0), lambda i: _scale_error(encode, t, fine[i], bits, codebook))
+    i = min(ferrs, key=lambda j: (ferrs[j], j))
     g = fine[i]
-    if 0 < i < len(fine) - 1:
+    if i - 1 in ferrs and i + 1 in ferrs:
         e0, e1, e2 = ferrs[i - 1], ferrs[i], ferrs[i + 1]
         denom = e0 - 2 * e1 + e2
         if denom > 0:
