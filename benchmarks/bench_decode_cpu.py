@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import platform
 import statistics
-import subprocess
 import time
-from pathlib import Path
 
 import torch
+from common import commit, write_json
 
 from exl3rt.format import decode, reconstruct, unpack_states
 from exl3rt.format.random import random_linear
@@ -32,14 +30,6 @@ def timed(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
 
 
 def main() -> None:
@@ -71,9 +61,7 @@ def main() -> None:
     print(f"{'codebook':<8} {'op':<12} {'ms':>9} {'Mweights/s':>11}")
     for r in rows:
         print(f"{r['codebook']:<8} {r['op']:<12} {1e3 * r['seconds']:>9.1f} {r['weights_per_s'] / 1e6:>11.1f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -12,24 +12,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import math
 import platform
-import subprocess
 import time
-from pathlib import Path
 
 import torch
+from common import commit, write_json
 
 from exl3rt.encode.quantize import quantize_weight
-
-
-def commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
 
 
 def main() -> None:
@@ -79,10 +69,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['bits']!s:>4} {r['codebook']:>5} {r['backend']:>8} {r['seconds']:>9.2f} "
               f"{r['weights_per_s'] / 1e3:>11.1f} {r['rel_mse']:>9.5f} {r['db_over_floor']:>9.2f}")
-    out = Path(args.out or f"benchmarks/results/encode_{dev.type}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(args.out or f"benchmarks/results/encode_{dev.type}.json", result)
 
 
 if __name__ == "__main__":

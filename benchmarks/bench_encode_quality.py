@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from common import commit, write_json
 from safetensors import safe_open
 
 from exl3rt.encode.quantize import proxy_error, quantize_weight
@@ -53,15 +52,12 @@ def main() -> None:
             row["ref_proxy"] = float(meta["proxy_err"])
             row["our_proxy"] = proxy_error(w, enc.reconstruct(), hess)
         rows.append(row)
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"{'file':<42} {'ref err':>8} {'our err':>8} {'ratio':>6} {'ref proxy':>10} {'our proxy':>10}")
     for r in rows:
         px = f"{r['ref_proxy']:>10.6f} {r['our_proxy']:>10.6f}" if "ref_proxy" in r else ""
         print(f"{r['file']:<42} {r['ref_rel_err']:>8.5f} {r['our_rel_err']:>8.5f} {r['ratio']:>6.3f} {px}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"date": dt.date.today().isoformat(), "commit": sha, "device": args.device,
-                                          "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, {"date": dt.date.today().isoformat(), "commit": commit(), "device": args.device,
+                          "torch": torch.__version__, "rows": rows})
 
 
 if __name__ == "__main__":
