@@ -13,7 +13,7 @@ from exl3rt.convert import run as run_mod  # noqa: E402
 from exl3rt.convert.run import WORK_DIR  # noqa: E402
 from exl3rt.format import Exl3Checkpoint  # noqa: E402
 
-from tiny_models import calibration_text, tiny_llama  # noqa: E402
+from tiny_models import calibration_text, tiny_llama, tiny_qwen_moe  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -21,22 +21,37 @@ def src(tmp_path_factory):
     return tiny_llama(tmp_path_factory.mktemp("src") / "tiny-llama")
 
 
-def logits_with_exl3_weights(src_dir, exl3_dir, ids):
-    """Run the original HF model with every quantized linear replaced by its EXL3 reconstruction."""
+def logits_with_exl3_weights(src_dir, exl3_dir, ids, tmp_path):
+    """Logits of the original model, and of the same model with every quantized linear replaced by
+    its EXL3 reconstruction: written back as a Hugging Face checkpoint and loaded by transformers
+    itself (so transformers, not this test, maps per-expert tensors onto its fused MoE parameters)."""
+    import shutil
+
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(src_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = model(ids).logits
+    from exl3rt.util.tensorfiles import TensorFiles
+
+    source = TensorFiles(src_dir)
     ckpt = Exl3Checkpoint(exl3_dir)
-    modules = dict(model.named_modules())
+    tensors = {n: source.tensor(n) for n in source.names()}
     for info in ckpt.linears():
-        lin = modules[info.name]
-        enc = ckpt.load_linear(info.name)
-        w = enc.reconstruct(trim=False)[: lin.in_features, : lin.out_features]
-        lin.weight = torch.nn.Parameter(w.T.contiguous(), requires_grad=False)
-    with torch.no_grad():
-        return ref, model(ids).logits
+        name = f"{info.name}.weight"
+        if name not in tensors:
+            continue  # a head made from tied embeddings: the original model has no such tensor
+        out_f, in_f = tensors[name].shape
+        w = ckpt.load_linear(info.name).reconstruct(trim=False)[:in_f, :out_f]
+        tensors[name] = w.T.contiguous().to(tensors[name].dtype)
+    deq = tmp_path / "dequantized"
+    shutil.copytree(src_dir, deq, ignore=shutil.ignore_patterns("*.safetensors", "*.json"))
+    shutil.copy(src_dir / "config.json", deq / "config.json")
+    save_file(tensors, str(deq / "model.safetensors"))
+    out = []
+    for d in (src_dir, deq):
+        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+        with torch.no_grad():
+            out.append(model(ids).logits)
+    return out[0], out[1]
 
 
 def test_quantize_end_to_end(src, tmp_path, capsys):
@@ -64,7 +79,7 @@ def test_quantize_end_to_end(src, tmp_path, capsys):
         r = ckpt.load_linear(info.name).reconstruct(trim=False)[: w.shape[0], : w.shape[1]]
         assert float((r - w).norm() / w.norm()) < limit[info.bits], info.name
     ids = torch.randint(3, 64, (1, 24), generator=torch.Generator().manual_seed(0))
-    ref, got = logits_with_exl3_weights(src, out, ids)
+    ref, got = logits_with_exl3_weights(src, out, ids, tmp_path)
     assert float((got - ref).norm() / ref.norm()) < 0.2  # errors of 15 layers compound in a random model
 
 
@@ -121,5 +136,20 @@ def test_calibrated_conversion(src, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"]["calibration"]["id"]
     ids = torch.randint(3, 40, (1, 32), generator=torch.Generator().manual_seed(1))
-    ref, got = logits_with_exl3_weights(src, out, ids)
+    ref, got = logits_with_exl3_weights(src, out, ids, tmp_path)
+    assert float((got - ref).norm() / ref.norm()) < 0.2
+
+
+def test_moe_experts_become_per_expert_linears(tmp_path):
+    src = tiny_qwen_moe(tmp_path / "moe")
+    out = tmp_path / "moe-exl3"
+    assert main(["quantize", str(src), str(out), "--bits", "4", "--quiet"]) == 0
+    ckpt = Exl3Checkpoint(out)
+    names = {li.name for li in ckpt.linears()}
+    experts = {n for n in names if ".mlp.experts." in n}
+    assert experts == {f"model.layers.{l}.mlp.experts.{e}.{p}" for l in range(2) for e in range(4)
+                       for p in ("gate_proj", "up_proj", "down_proj")}
+    assert "model.layers.0.mlp.gate.weight" in ckpt.other_tensor_names()  # the router stays unquantized
+    ids = torch.randint(3, 64, (1, 24), generator=torch.Generator().manual_seed(2))
+    ref, got = logits_with_exl3_weights(src, out, ids, tmp_path)
     assert float((got - ref).norm() / ref.norm()) < 0.2

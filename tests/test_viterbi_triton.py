@@ -163,6 +163,31 @@ def test_matches_reference_small(K, L, N, kw):
         np.testing.assert_array_equal(states, ref_states.numpy())
 
 
+SMALL16 = [  # fp16 cost scratch: K, L, N, launch options
+    (1, 8, 24, dict(recomp=False, fuse2=True, tpp=2)),
+    (2, 8, 16, dict(recomp=False, tpp=2, chunk=32)),
+    (2, 8, 32, dict(recomp=False, tpp=4, chunk=16)),
+    (2, 8, 16, dict(recomp=False, fuse2=True, tpp=2, chunk=32)),
+    (3, 8, 16, dict(recomp=True, tpp=4)),
+]
+
+
+@pytest.mark.parametrize("K,L,N,kw", SMALL16)
+def test_cost16_small(K, L, N, kw):
+    gen = torch.Generator().manual_seed(77 * K + L + N)
+    table = torch.randn(1 << L, generator=gen).half().float()
+    targets = torch.randn(5, N, generator=gen)
+    states, values = vt.encode_tiles_custom(targets.to(DEV), K, table, L, cost16=True, **kw)
+    states = states.cpu().numpy()
+    assert ring_ok(states, K, L).all()
+    assert torch.equal(values.cpu(), table[torch.from_numpy(states)])
+    want, _ = np_encode(targets.numpy(), K, table.numpy(), L)
+    got = ((table.double()[torch.from_numpy(states)] - targets.double()) ** 2).sum(1)
+    ref = ((table.double()[torch.from_numpy(want)] - targets.double()) ** 2).sum(1)
+    assert (got >= ref - 1e-6).all()                 # pass 2 is optimal for its junction
+    assert torch.allclose(got, ref, rtol=1e-2, atol=1e-2)  # fp16 rounding can move near-ties
+
+
 def test_packed_argmin_small():
     K, L, N = 2, 8, 32
     gen = torch.Generator().manual_seed(7)

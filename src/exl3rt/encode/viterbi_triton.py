@@ -81,8 +81,8 @@ Measured on one H200 (Triton 3.6, mcg, 65536 tiles = one 4096 x 4096 layer, Gaus
 RMS 1.2437, whole ``encode_tiles`` call, defaults of DEFAULT_CONFIG):
 
     K   seconds  dB over 2^(-2K)       K   seconds  dB over 2^(-2K)
-    1    2.27     0.38                 5    0.36     1.48
-    2    1.24     0.40                 6    0.32     3.19
+    1    1.51     0.38                 5    0.36     1.48
+    2    0.85     0.40                 6    0.32     3.19
     3    0.70     0.50                 7    0.36     6.70
     4    0.42     0.80                 8    0.42    11.72
 
@@ -149,16 +149,18 @@ DEFAULT_SCRATCH_BYTES = 16 << 30
 #:   table default; "fp32"/"fp16": 65536-entry table);
 #:   packed (packed argmin, see the module docstring); k_static (unroll the k loop; default
 #:   NK <= 16); progs_per_sm (None: as many programs as are resident at once).
+#:   cost16 (store the per-step cost vectors as fp16, arithmetic in fp32; every step's costs are
+#:   stored relative to the previous step's minimum so that the competitive ones stay small).
 CONFIG_KEYS = ("num_warps", "chunk", "tpp", "order", "recomp", "fuse2", "lut", "packed",
-               "k_static", "progs_per_sm")
+               "k_static", "progs_per_sm", "cost16")
 _BASE_CONFIG = dict(num_warps=8, chunk=1024, tpp=4, order=0, recomp=True, fuse2=False, lut=None,
-                    packed=False, k_static=None, progs_per_sm=None)
+                    packed=False, k_static=None, progs_per_sm=None, cost16=False)
 
 #: per-K defaults (on top of _BASE_CONFIG): the fastest measured variants of the sweeps of
 #: benchmarks/bench_viterbi_gpu.py on an H200 (K = 5, 7, 8 were not swept)
 DEFAULT_CONFIG = {
-    1: dict(recomp=False, fuse2=True, tpp=2, chunk=1024),
-    2: dict(recomp=False, tpp=2, chunk=1024),
+    1: dict(recomp=False, fuse2=True, tpp=1, chunk=1024, cost16=True),
+    2: dict(recomp=False, tpp=2, chunk=1024, cost16=True),
     3: dict(chunk=1024),
     4: dict(chunk=1024, lut="fp16"),
     5: dict(chunk=1024, lut="fp32"),
@@ -254,12 +256,30 @@ if HAVE_TRITON:
         return best, arg
 
     @triton.jit
-    def _finish(best, arg, dst, bp_t, e, STORE_BP: tl.constexpr, NK: tl.constexpr,
-                PACKED: tl.constexpr):
+    def _finish(best, arg, dst, bp_t, e, off, mn, STORE_BP: tl.constexpr, NK: tl.constexpr,
+                PACKED: tl.constexpr, C16: tl.constexpr):
+        """Store one tile's chunk of costs (C16: minus the step offset ``off``, as fp16; ``mn``:
+        running minimum of the stored values) and backpointers."""
         best, arg = _unpack(best, arg, NK, PACKED)
-        tl.store(dst + e, best)
+        if C16:
+            rel = best - off
+            mn = tl.minimum(mn, rel)
+            tl.store(dst + e, rel.to(tl.float16))
+        else:
+            tl.store(dst + e, best)
         if STORE_BP:
             tl.store(bp_t + e, arg.to(tl.uint8))
+        return mn
+
+    @triton.jit
+    def _offset(mn, C16: tl.constexpr):
+        """Offset of the next step: the minimum of the costs just stored (0 if not C16)."""
+        if C16:
+            m = tl.reduce(tl.reduce(mn, 1, _min_combine), 0, _min_combine)
+            m = tl.where(m < 1.0e4, m, 0.0)
+        else:
+            m = tl.zeros((), tl.float32)
+        return m
 
     @triton.jit
     def _init(e, PACKED: tl.constexpr):
@@ -282,12 +302,12 @@ if HAVE_TRITON:
         return el, ehl
 
     @triton.jit
-    def _step(src, dst, bp_t, wa, wb, wc, wd, cb_ptr, STORE_BP: tl.constexpr, TPP: tl.constexpr,
-              TS: tl.constexpr, BS: tl.constexpr,
+    def _step(src, dst, bp_t, wa, wb, wc, wd, oa, ob, oc, od, cb_ptr, STORE_BP: tl.constexpr,
+              TPP: tl.constexpr, TS: tl.constexpr, BS: tl.constexpr,
               NK: tl.constexpr, EH: tl.constexpr, E: tl.constexpr, CEH: tl.constexpr,
               ORDER: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
               ADD: tl.constexpr, KMULT: tl.constexpr, PACKED: tl.constexpr,
-              K_STATIC: tl.constexpr, ASM: tl.constexpr):
+              K_STATIC: tl.constexpr, ASM: tl.constexpr, C16: tl.constexpr):
         """One trellis step for TPP = 1, 2 or 4 tiles (targets ``wa``, ``wb``, ``wc``, ``wd``; tile
         i's buffers lie ``i*TS`` / ``i*BS`` elements after tile 0's). Reads the in-edge costs at
         ``src``, writes the out-edge costs at ``dst`` and, if ``STORE_BP``, the argmin k at
@@ -297,8 +317,13 @@ if HAVE_TRITON:
 
         over chunks of CEH x NK edges; ties: strict ``<`` over ascending k. The codebook values
         of a chunk are decoded once for all TPP tiles (they are separate variables, not a tensor
-        axis, so that the compiler cannot spread them over threads)."""
+        axis, so that the compiler cannot spread them over threads). C16: fp16 costs, tile i's
+        stored relative to its offset ``o*``; returns the next step's offsets."""
         el, ehl = _chunk_axes(NK, CEH, ORDER)
+        ma = (ehl * NK + el).to(tl.float32) * 0.0 + float("inf")  # running minima (C16)
+        mb = ma
+        mc = ma
+        md = ma
         for c in range(0, EH // CEH):
             eh = c * CEH + ehl
             e = eh * NK + el                                      # out-edges of the chunk
@@ -312,12 +337,12 @@ if HAVE_TRITON:
                 for k in tl.static_range(NK):
                     v = _cb_k(x0, k, cb_ptr, CB, E, KMULT, ASM)
                     pa = src + (k * EH + eh)
-                    ba, aa = _fold(ba, aa, k, v, tl.load(pa), wa, NK, PACKED, STORE_BP)
+                    ba, aa = _fold(ba, aa, k, v, tl.load(pa).to(tl.float32), wa, NK, PACKED, STORE_BP)
                     if TPP >= 2:
-                        bb, ab = _fold(bb, ab, k, v, tl.load(pa + TS), wb, NK, PACKED, STORE_BP)
+                        bb, ab = _fold(bb, ab, k, v, tl.load(pa + TS).to(tl.float32), wb, NK, PACKED, STORE_BP)
                     if TPP >= 4:
-                        bc, ac = _fold(bc, ac, k, v, tl.load(pa + 2 * TS), wc, NK, PACKED, STORE_BP)
-                        bd, ad = _fold(bd, ad, k, v, tl.load(pa + 3 * TS), wd, NK, PACKED, STORE_BP)
+                        bc, ac = _fold(bc, ac, k, v, tl.load(pa + 2 * TS).to(tl.float32), wc, NK, PACKED, STORE_BP)
+                        bd, ad = _fold(bd, ad, k, v, tl.load(pa + 3 * TS).to(tl.float32), wd, NK, PACKED, STORE_BP)
             else:
                 for k in range(0, NK):
                     if CB >= 3:
@@ -327,19 +352,28 @@ if HAVE_TRITON:
                         v = _cb_from_product(xk, CB, ASM)
                         xk = xk + KMULT
                     pa = src + (k * EH + eh)
-                    ba, aa = _fold(ba, aa, k, v, tl.load(pa), wa, NK, PACKED, STORE_BP)
+                    ba, aa = _fold(ba, aa, k, v, tl.load(pa).to(tl.float32), wa, NK, PACKED, STORE_BP)
                     if TPP >= 2:
-                        bb, ab = _fold(bb, ab, k, v, tl.load(pa + TS), wb, NK, PACKED, STORE_BP)
+                        bb, ab = _fold(bb, ab, k, v, tl.load(pa + TS).to(tl.float32), wb, NK, PACKED, STORE_BP)
                     if TPP >= 4:
-                        bc, ac = _fold(bc, ac, k, v, tl.load(pa + 2 * TS), wc, NK, PACKED, STORE_BP)
-                        bd, ad = _fold(bd, ad, k, v, tl.load(pa + 3 * TS), wd, NK, PACKED, STORE_BP)
-            _finish(ba, aa, dst, bp_t, e, STORE_BP, NK, PACKED)
+                        bc, ac = _fold(bc, ac, k, v, tl.load(pa + 2 * TS).to(tl.float32), wc, NK, PACKED, STORE_BP)
+                        bd, ad = _fold(bd, ad, k, v, tl.load(pa + 3 * TS).to(tl.float32), wd, NK, PACKED, STORE_BP)
+            ma = _finish(ba, aa, dst, bp_t, e, oa, ma, STORE_BP, NK, PACKED, C16)
             if TPP >= 2:
-                _finish(bb, ab, dst + TS, bp_t + BS, e, STORE_BP, NK, PACKED)
+                mb = _finish(bb, ab, dst + TS, bp_t + BS, e, ob, mb, STORE_BP, NK, PACKED, C16)
             if TPP >= 4:
-                _finish(bc, ac, dst + 2 * TS, bp_t + 2 * BS, e, STORE_BP, NK, PACKED)
-                _finish(bd, ad, dst + 3 * TS, bp_t + 3 * BS, e, STORE_BP, NK, PACKED)
+                mc = _finish(bc, ac, dst + 2 * TS, bp_t + 2 * BS, e, oc, mc, STORE_BP, NK, PACKED,
+                             C16)
+                md = _finish(bd, ad, dst + 3 * TS, bp_t + 3 * BS, e, od, md, STORE_BP, NK, PACKED,
+                             C16)
         tl.debug_barrier()  # the next step reads costs written by other threads
+        oa = _offset(ma, C16)
+        if TPP >= 2:
+            ob = _offset(mb, C16)
+        if TPP >= 4:
+            oc = _offset(mc, C16)
+            od = _offset(md, C16)
+        return oa, ob, oc, od
 
     @triton.jit
     def _mid(src, j, k2, x0j, wt, cb_ptr, NK: tl.constexpr, EH: tl.constexpr, E: tl.constexpr,
@@ -349,16 +383,16 @@ if HAVE_TRITON:
         best, arg = _init(j, PACKED)
         for k1 in tl.static_range(NK):
             v = _cb_k(x0j, k1, cb_ptr, CB, E, KMULT, ASM)
-            best, arg = _fold(best, arg, k1, v, tl.load(src + (k1 * EH + (j >> K))), wt, NK,
+            best, arg = _fold(best, arg, k1, v, tl.load(src + (k1 * EH + (j >> K))).to(tl.float32), wt, NK,
                               PACKED, WANT_ARG)
         return _unpack(best, arg, NK, PACKED)
 
     @triton.jit
-    def _step2(src, dst, bp_t, w0a, w0b, w1a, w1b, cb_ptr, STORE_BP: tl.constexpr,
+    def _step2(src, dst, bp_t, w0a, w0b, w1a, w1b, oa, ob, cb_ptr, STORE_BP: tl.constexpr,
                TPP: tl.constexpr, TS: tl.constexpr, BS: tl.constexpr, NK: tl.constexpr,
                EH: tl.constexpr, E: tl.constexpr, K: tl.constexpr, CEH: tl.constexpr,
                ORDER: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr,
-               KMULT: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr):
+               KMULT: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, C16: tl.constexpr):
         """Two trellis steps (positions t, t+1; targets ``w0*``, ``w1*``; TPP = 1 or 2 tiles)
         without the round trip of the intermediate costs through memory: for each chunk of
         final out-edges ``e`` and each k2, the intermediate costs of the edges
@@ -366,6 +400,8 @@ if HAVE_TRITON:
         from the costs at ``src`` (min over k1), their argmins go to ``bp_t`` (position t), and
         they are folded into the final running min over k2 (argmins to ``bp_t + E``)."""
         el, ehl = _chunk_axes(NK, CEH, ORDER)
+        na = (ehl * NK + el).to(tl.float32) * 0.0 + float("inf")  # running minima (C16)
+        nb = na
         for c in range(0, EH // CEH):
             eh = c * CEH + ehl                                    # [1, CEH] or [CEH, 1]
             e = eh * NK + el                                      # final out-edges of the chunk
@@ -388,31 +424,41 @@ if HAVE_TRITON:
                 ba, aa = _fold(ba, aa, k2, v, ma, w1a, NK, PACKED, STORE_BP)
                 if TPP >= 2:
                     bb, ab = _fold(bb, ab, k2, v, mb, w1b, NK, PACKED, STORE_BP)
-            _finish(ba, aa, dst, bp_t + E, e, STORE_BP, NK, PACKED)
+            na = _finish(ba, aa, dst, bp_t + E, e, oa, na, STORE_BP, NK, PACKED, C16)
             if TPP >= 2:
-                _finish(bb, ab, dst + TS, bp_t + BS + E, e, STORE_BP, NK, PACKED)
+                nb = _finish(bb, ab, dst + TS, bp_t + BS + E, e, ob, nb, STORE_BP, NK, PACKED, C16)
         tl.debug_barrier()  # the next step reads costs written by other threads
+        oa = _offset(na, C16)
+        if TPP >= 2:
+            ob = _offset(nb, C16)
+        return oa, ob
 
     @triton.jit
-    def _advance(hist, src, dst, bp_t, w_row, p, ok_b, ok_c, ok_d, cb_ptr, STORE_BP: tl.constexpr,
+    def _advance(hist, src, dst, bp_t, w_row, p, ok_b, ok_c, ok_d, oa, ob, oc, od, cb_ptr,
+                 STORE_BP: tl.constexpr,
                  FUSE2: tl.constexpr, N: tl.constexpr, TPP: tl.constexpr, TS: tl.constexpr,
                  BS: tl.constexpr, NK: tl.constexpr, EH: tl.constexpr, E: tl.constexpr,
                  K: tl.constexpr, CEH: tl.constexpr, ORDER: tl.constexpr, CB: tl.constexpr,
                  MULT: tl.constexpr, ADD: tl.constexpr, KMULT: tl.constexpr,
-                 PACKED: tl.constexpr, K_STATIC: tl.constexpr, ASM: tl.constexpr):
-        """Position p (or p and p+1 if FUSE2): costs from cost slot ``src`` to slot ``dst``."""
+                 PACKED: tl.constexpr, K_STATIC: tl.constexpr, ASM: tl.constexpr,
+                 C16: tl.constexpr):
+        """Position p (or p and p+1 if FUSE2): costs from cost slot ``src`` to slot ``dst``;
+        returns the next step's cost offsets (C16)."""
         wa = tl.load(w_row + p)
         wb = tl.load(w_row + N + p, mask=ok_b, other=0.0)
         if FUSE2:
             wa1 = tl.load(w_row + p + 1)
             wb1 = tl.load(w_row + N + p + 1, mask=ok_b, other=0.0)
-            _step2(hist + src * E, hist + dst * E, bp_t, wa, wb, wa1, wb1, cb_ptr, STORE_BP, TPP,
-                   TS, BS, NK, EH, E, K, CEH, ORDER, CB, MULT, ADD, KMULT, PACKED, ASM)
+            oa, ob = _step2(hist + src * E, hist + dst * E, bp_t, wa, wb, wa1, wb1, oa, ob, cb_ptr,
+                            STORE_BP, TPP, TS, BS, NK, EH, E, K, CEH, ORDER, CB, MULT, ADD, KMULT,
+                            PACKED, ASM, C16)
         else:
             wc = tl.load(w_row + 2 * N + p, mask=ok_c, other=0.0)
             wd = tl.load(w_row + 3 * N + p, mask=ok_d, other=0.0)
-            _step(hist + src * E, hist + dst * E, bp_t, wa, wb, wc, wd, cb_ptr, STORE_BP, TPP, TS,
-                  BS, NK, EH, E, CEH, ORDER, CB, MULT, ADD, KMULT, PACKED, K_STATIC, ASM)
+            oa, ob, oc, od = _step(hist + src * E, hist + dst * E, bp_t, wa, wb, wc, wd, oa, ob,
+                                   oc, od, cb_ptr, STORE_BP, TPP, TS, BS, NK, EH, E, CEH, ORDER,
+                                   CB, MULT, ADD, KMULT, PACKED, K_STATIC, ASM, C16)
+        return oa, ob, oc, od
 
     @triton.jit
     def _back_k(e, t, w1, hist_t, bp_tiles, cb_ptr, RECOMP: tl.constexpr, NK: tl.constexpr,
@@ -424,7 +470,7 @@ if HAVE_TRITON:
         (``bp_tiles``: [TPP] pointers)."""
         if RECOMP:
             kk = tl.arange(0, NK)[None, :]                                        # [1, NK]
-            prev = tl.load(hist_t[:, None] + kk * EH + (e >> K)[:, None])          # [TPP, NK]
+            prev = tl.load(hist_t[:, None] + kk * EH + (e >> K)[:, None]).to(tl.float32)          # [TPP, NK]
             v = _cb_value(kk * E + e[:, None], cb_ptr, CB, MULT, ADD, ASM)
             d = v - w1[:, None]
             cand = d * d + prev
@@ -463,6 +509,7 @@ if HAVE_TRITON:
         RECOMP: tl.constexpr,       # keep every step's costs, recompute argmins while backtracking
         FUSE2: tl.constexpr,        # two positions per step (backpointer mode, TPP <= 2)
         ASM: tl.constexpr,          # inline PTX allowed (not under the interpreter)
+        C16: tl.constexpr,          # fp16 cost scratch (costs relative to a per-step offset)
     ):
         HALF: tl.constexpr = N // 2
         STEP: tl.constexpr = 2 if FUSE2 else 1
@@ -498,8 +545,13 @@ if HAVE_TRITON:
             else:
                 z = 0
             for c in range(0, E // CH):
-                tl.store(hist2 + z * E + c * CH + ch2, tl.full([CH, TPP], 0.0, tl.float32))
+                tl.store(hist2 + z * E + c * CH + ch2,
+                         tl.full([CH, TPP], 0.0, tl.float32).to(hist_ptr.dtype.element_ty))
             tl.debug_barrier()
+            oa = tl.zeros((), tl.float32)                         # per-tile cost offsets (C16)
+            ob = oa
+            oc = oa
+            od = oa
             for j in range(0, HALF, STEP):                        # positions HALF..N-1
                 if RECOMP:
                     src = N + 1 + (j + 1) % 2
@@ -507,9 +559,10 @@ if HAVE_TRITON:
                 else:
                     src = (j // STEP) % 2
                     dst = 1 - src
-                _advance(hist, src, dst, bp, wa_row, HALF + j, ok_b, ok_c, ok_d, cb_ptr, False,
-                         FUSE2, N, TPP, TS, BS, NK, EH, E, K, CEH, ORDER, CB, MULT, ADD, KMULT,
-                         PACKED, K_STATIC, ASM)
+                oa, ob, oc, od = _advance(hist, src, dst, bp, wa_row, HALF + j, ok_b, ok_c, ok_d,
+                                          oa, ob, oc, od, cb_ptr, False, FUSE2, N, TPP, TS, BS,
+                                          NK, EH, E, K, CEH, ORDER, CB, MULT, ADD, KMULT, PACKED,
+                                          K_STATIC, ASM, C16)
             for t in range(0, HALF, STEP):                        # positions 0..HALF-1
                 if RECOMP:
                     src = t
@@ -517,9 +570,10 @@ if HAVE_TRITON:
                 else:
                     src = (t // STEP) % 2
                     dst = 1 - src
-                _advance(hist, src, dst, bp + t * E, wa_row, t, ok_b, ok_c, ok_d, cb_ptr, BP_FWD,
-                         FUSE2, N, TPP, TS, BS, NK, EH, E, K, CEH, ORDER, CB, MULT, ADD, KMULT,
-                         PACKED, K_STATIC, ASM)
+                oa, ob, oc, od = _advance(hist, src, dst, bp + t * E, wa_row, t, ok_b, ok_c, ok_d,
+                                          oa, ob, oc, od, cb_ptr, BP_FWD, FUSE2, N, TPP, TS, BS,
+                                          NK, EH, E, K, CEH, ORDER, CB, MULT, ADD, KMULT, PACKED,
+                                          K_STATIC, ASM, C16)
             # argmin of the final cost (first edge on ties) = out-edge of position HALF-1
             if RECOMP:
                 fin = HALF
@@ -528,7 +582,7 @@ if HAVE_TRITON:
             runv = tl.full([CH, TPP], float("inf"), tl.float32)
             runi = tl.full([CH, TPP], 0, tl.int32)
             for c in range(0, E // CH):
-                v = tl.load(hist2 + fin * E + c * CH + ch2)
+                v = tl.load(hist2 + fin * E + c * CH + ch2).to(tl.float32)
                 upd = v < runv
                 runv = tl.where(upd, v, runv)
                 runi = tl.where(upd, c * CH + ch2, runi)
@@ -546,9 +600,14 @@ if HAVE_TRITON:
 
             # ------------- pass 2: positions 0..N-1, start fixed to in-edge e* -------------
             for c in range(0, E // CH):
-                init = tl.where(c * CH + ch2 == estar[None, :], 0.0, BIG_C)
-                tl.store(hist2 + c * CH + ch2, init)                               # slot 0
+                init = tl.where(c * CH + ch2 == estar[None, :], 0.0,
+                                float("inf") if C16 else BIG_C)
+                tl.store(hist2 + c * CH + ch2, init.to(hist_ptr.dtype.element_ty))  # slot 0
             tl.debug_barrier()
+            oa = tl.zeros((), tl.float32)
+            ob = oa
+            oc = oa
+            od = oa
             for t in range(0, N, STEP):
                 if RECOMP:
                     src = t
@@ -556,9 +615,10 @@ if HAVE_TRITON:
                 else:
                     src = (t // STEP) % 2
                     dst = 1 - src
-                _advance(hist, src, dst, bp + t * E, wa_row, t, ok_b, ok_c, ok_d, cb_ptr, BP_FWD,
-                         FUSE2, N, TPP, TS, BS, NK, EH, E, K, CEH, ORDER, CB, MULT, ADD, KMULT,
-                         PACKED, K_STATIC, ASM)
+                oa, ob, oc, od = _advance(hist, src, dst, bp + t * E, wa_row, t, ok_b, ok_c, ok_d,
+                                          oa, ob, oc, od, cb_ptr, BP_FWD, FUSE2, N, TPP, TS, BS,
+                                          NK, EH, E, K, CEH, ORDER, CB, MULT, ADD, KMULT, PACKED,
+                                          K_STATIC, ASM, C16)
             e2 = estar                                                             # out-edge of N-1
             for i in range(0, N):                                                  # N-1 -> 0
                 t = N - 1 - i
@@ -623,7 +683,8 @@ def _plan(K: int, L: int, N: int, cfg: dict) -> dict:
     return dict(N=N, K=K, NK=NK, EH=EH, E=E, CEH=CH // NK, TPP=tpp, ORDER=int(cfg["order"]),
                 NSLOT=N + 3 if recomp else 2, PACKED=bool(cfg["packed"]) and not recomp,
                 K_STATIC=bool(NK <= 16 if k_static is None else k_static), RECOMP=recomp,
-                FUSE2=fuse2, ASM=not _interpreting(), num_warps=int(cfg["num_warps"]))
+                FUSE2=fuse2, ASM=not _interpreting(), C16=bool(cfg["cost16"]),
+                num_warps=int(cfg["num_warps"]))
 
 
 def _codebook_args(meta: dict, codebook_id: int, table: Optional[torch.Tensor], lut, device):
@@ -694,16 +755,18 @@ def _encode(tgt: torch.Tensor, K: int, L: int, codebook_id: int, table: Optional
         programs = (torch.cuda.get_device_properties(device).multi_processor_count
                     if device.type == "cuda" else 1) * (pps or 8)
     P = max(1, min(int(programs), -(-T // tpp)))
-    per_prog = tpp * nslot * E * 4 + (0 if recomp else tpp * N * E)
+    hdt = torch.float16 if meta["C16"] else torch.float32
+    per_prog = tpp * nslot * E * hdt.itemsize + (0 if recomp else tpp * N * E)
     if device.type == "cuda":
         scratch_bytes = min(scratch_bytes, torch.cuda.mem_get_info(device)[0] // 2)
         if pps is None:
             h = tgt.new_empty(16)  # same dtypes as the real scratch: the same compiled kernel
-            dummy = (tgt, states, values, h if recomp else h.to(torch.uint8), h, cb, T, P)
+            dummy = (tgt, states, values, h.to(hdt) if recomp else h.to(torch.uint8), h.to(hdt), cb,
+                     T, P)
             P = min(P, _resident_programs(dummy, meta, device) or P)
     P = max(1, min(P, scratch_bytes // per_prog))
     # scratch, allocated once per call and reused by every wave of P*tpp tiles
-    hist = torch.empty((P, tpp, nslot, E), dtype=torch.float32, device=device)
+    hist = torch.empty((P, tpp, nslot, E), dtype=hdt, device=device)
     bp = hist if recomp else torch.empty((P, tpp, N, E), dtype=torch.uint8, device=device)
     _viterbi_kernel[(P,)](tgt, states, values, bp, hist, cb, T, P, **meta)
     return states, values
@@ -751,9 +814,10 @@ def precompile(bits, codebook: str, device="cuda", **config):
     tab = _codebook_args(meta, CODEBOOK_IDS[codebook], table, cfg["lut"], device)
     f = torch.empty(16, dtype=torch.float32, device=device)
     i = torch.empty(16, dtype=torch.int16, device=device)
-    bp = f if meta["RECOMP"] else f.to(torch.uint8)
+    h = f.to(torch.float16) if meta["C16"] else f
+    bp = h if meta["RECOMP"] else f.to(torch.uint8)
     cb = f if tab is None else tab
-    return _viterbi_kernel.warmup(f, i, f, bp, f, cb, 65536, 1024, grid=(1,), **meta)
+    return _viterbi_kernel.warmup(f, i, f, bp, h, cb, 65536, 1024, grid=(1,), **meta)
 
 
 def encode_tiles_custom(targets: torch.Tensor, K: int, table: torch.Tensor, L: int, *,
