@@ -71,6 +71,15 @@ def parse_overrides(items: list[str]) -> list[tuple[str, Bits]]:
     return out
 
 
+def _bits_for(module: str, default: Bits, overrides: tuple[tuple[str, Bits], ...]) -> Bits:
+    """K for ``module``: the last matching ``--bits-for`` override, else ``default``."""
+    k = default
+    for pattern, value in overrides:
+        if fnmatch.fnmatchcase(module, pattern):
+            k = value
+    return k
+
+
 def plan_conversion(src: TensorFiles, bits: Bits, codebook: str = "mcg", *, head_bits: Bits = 6,
                     keep: tuple[str, ...] = (), overrides: tuple[tuple[str, Bits], ...] = ()) -> ConversionPlan:
     bits = normalize_bits(bits)
@@ -95,10 +104,7 @@ def plan_conversion(src: TensorFiles, bits: Bits, codebook: str = "mcg", *, head
             continue
         if module == HEAD and not head_q:
             continue
-        k = head_bits if module == HEAD else bits
-        for pattern, value in overrides:
-            if fnmatch.fnmatchcase(module, pattern):
-                k = value
+        k = _bits_for(module, head_bits if module == HEAD else bits, overrides)
         if is_half(k) and codebook != "mul1":
             raise EncodeError(f"{module}: K = {k} (half-integer) needs --codebook mul1")
         bias = f"{module}.bias" if f"{module}.bias" in src else None
@@ -111,10 +117,7 @@ def plan_conversion(src: TensorFiles, bits: Bits, codebook: str = "mcg", *, head
         emb = next((n for n in src.names() if n.endswith("embed_tokens.weight")), None)
         if emb is not None:
             out_f, in_f = src.info(emb).shape
-            k = head_bits
-            for pattern, value in overrides:
-                if fnmatch.fnmatchcase(HEAD, pattern):
-                    k = value
+            k = _bits_for(HEAD, head_bits, overrides)
             linears.append(LinearJob(HEAD, emb, None, k, codebook, int(out_f), int(in_f)))
             tied_from = emb
     if not linears:

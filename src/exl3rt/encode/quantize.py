@@ -120,13 +120,10 @@ def quantize_weight(weight: torch.Tensor, bits: Bits, codebook: str = "mcg", hes
         states, q = quantize_straight(w_r, encode, bits, codebook, progress)
     trellis = pack_states(states, bits)
 
-    basis = None
-    if calibrated and refit:
-        basis = hadamard_blocks(hadamard_blocks(q.double(), dim=0), dim=1)
-        su, sv = refit_scales(w, basis, su, sv, h_damped)
     if calibrated:
-        if basis is None:
-            basis = hadamard_blocks(hadamard_blocks(q.double(), dim=0), dim=1)
+        basis = hadamard_blocks(hadamard_blocks(q.double(), dim=0), dim=1)  # Hk·Q·Hn
+        if refit:
+            su, sv = refit_scales(w, basis, su, sv, h_damped)
         wq = basis * su.double().half().double()[:, None] * sv.double().half().double()[None, :]
         err = proxy_error(w, wq, h_damped)
     else:
