@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from exl3rt.encode import viterbi_ref as ref
-from exl3rt.encode.viterbi_numba import encode_tiles, encode_tiles_custom
+from exl3rt.encode.viterbi_numba import encode_tiles, encode_tiles_custom, open_costs, open_costs_custom
 from exl3rt.format.codebooks import CODEBOOKS, codebook_values
 
 pytest.importorskip("numba")
@@ -236,3 +236,38 @@ def test_api_edge_cases():
         encode_tiles(np.zeros((1, 256), np.float32), 9, "mcg")
     with pytest.raises(ValueError):
         encode_tiles(np.zeros((1, 128), np.float32), 2, "mcg")
+
+
+def test_open_costs_brute_force(tiny):
+    """Pass 1 alone (the g search's error estimate) == min over every open path in pass-1 order,
+    for both numba kernels; odd tile counts and one or two threads."""
+    L, shifts, table, w, _, _ = tiny
+    w = w[:7]
+    N = len(shifts)
+    order = [(N // 2 + j) % N for j in range(N)]
+    bf = _costs(_open_paths(order, shifts, L), w, table).min(1)
+    for kind in ("A", "B"):
+        for nt in (1, 2):
+            got = open_costs_custom(w, shifts, table, L, kind=kind, num_threads=nt)
+            assert got.dtype == np.float32 and got.shape == (7,)
+            np.testing.assert_allclose(got, bf, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("codebook,bits", [("mcg", 1), ("mcg", 2), ("3inst", 4), ("mcg", 6), ("mul1", 2.5)],
+                         ids=lambda x: str(x))
+def test_open_costs_full_size(codebook, bits):
+    """At full size: bit-identical to the full encoder's pass-1 cost and to the torch
+    reference's open Viterbi from position 128; below the tail-biting result's error."""
+    rng = np.random.default_rng(11 + int(bits * 2))
+    w = (rng.standard_normal((5, 256)) * 1.24).astype(np.float32)
+    table = codebook_values(codebook).numpy()
+    shifts = ref.shifts_for_bits(bits, 256)
+    _, v, info = encode_tiles_custom(w, shifts, table, 16, return_info=True)
+    got = open_costs(torch.from_numpy(w), bits, codebook, num_threads=2)
+    assert isinstance(got, torch.Tensor)
+    np.testing.assert_array_equal(got.numpy(), info["cost1"])
+    order = [(128 + j) % 256 for j in range(256)]
+    cost_ref, _ = ref.viterbi_open(w, shifts, table, 16, order=order)
+    np.testing.assert_array_equal(got.numpy(), cost_ref.numpy())
+    assert (got.numpy() <= ((v - w) ** 2).sum(1) * (1 + 1e-5)).all()
+    assert open_costs(np.zeros((0, 256), np.float32), bits, codebook).shape == (0,)

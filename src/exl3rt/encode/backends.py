@@ -67,6 +67,9 @@ def _half_notice() -> None:
 def get_tile_encoder(backend: str = "auto", device: Optional[torch.device] = None, bits=None) -> TileEncoder:
     """A function ``encode(targets [T, 256], bits, codebook) -> (states, values)`` on ``device``'s tensors.
 
+    Where the backend has one, ``encode.open_cost(targets, bits, codebook) -> [T]`` is the
+    open-path (pass-1) squared error per tile, the global-scale search's cheap error estimate.
+
     Half-integer ``bits`` with the triton backend run on the numba backend (data moved to the CPU
     and back), since the GPU kernel covers integer K only.
     """
@@ -85,4 +88,37 @@ def get_tile_encoder(backend: str = "auto", device: Optional[torch.device] = Non
         return torch.as_tensor(states).to(targets.device), torch.as_tensor(values).to(targets.device)
 
     encode.backend = name  # type: ignore[attr-defined]
+    cost_fn = _load_open_cost(name)
+    if cost_fn is not None:
+        def open_cost(targets: torch.Tensor, bits, codebook: str) -> torch.Tensor:
+            src = targets if name != "numba" else targets.cpu()
+            return torch.as_tensor(cost_fn(src.contiguous(), bits, codebook)).to(targets.device)
+
+        encode.open_cost = open_cost  # type: ignore[attr-defined]
     return encode
+
+
+def _open_costs_ref(targets: torch.Tensor, bits, codebook: str) -> torch.Tensor:
+    """The torch reference's pass 1 alone (same positions and fp32 arithmetic as the numba
+    backend's ``open_costs``): per tile, the smallest open-path squared error."""
+    from ..format.codebooks import codebook_values
+    from .viterbi_ref import check_bits, viterbi_open
+
+    shifts = check_bits(bits, codebook)
+    n = len(shifts)
+    order = [(n // 2 + j) % n for j in range(n)]
+    table = codebook_values(codebook)
+    parts = [viterbi_open(targets[c:c + 16], shifts, table, 16, order=order)[0]
+             for c in range(0, targets.shape[0], 16)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32, device=targets.device)
+
+
+def _load_open_cost(name: str):
+    """``open_costs(targets [T, 256], bits, codebook) -> [T]`` of a backend, or None (triton: the
+    g search then measures the full encode's error)."""
+    if name == "numba":
+        from .viterbi_numba import open_costs
+        return open_costs
+    if name == "torch":
+        return _open_costs_ref
+    return None

@@ -30,8 +30,9 @@ from .regularize import DRIFT, random_signs, regularize, sample_tiles, search_gl
 
 log = logging.getLogger("exl3rt.encode")
 
-#: bump when anything that changes the encoding for the same inputs changes (cache keys use it)
-ENCODER_VERSION = 1
+#: bump when anything that changes the encoding for the same inputs changes (cache keys use it).
+#: 2: the g search samples at most max(128, tiles/32) tiles and uses open-path errors (regularize.py)
+ENCODER_VERSION = 2
 
 
 def _check_weight(weight: torch.Tensor, name: str) -> None:

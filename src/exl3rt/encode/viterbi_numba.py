@@ -32,8 +32,9 @@ Every size is a compile-time constant: the kernels and the driver are generated 
 per ``(L, shift pattern)``, written once to ``~/.cache/exl3rt/viterbi_numba`` (or the temp
 directory) and imported from there, so numba's on-disk cache (``cache=True``) works across
 processes (first use of a bit width: ~2-4 s of compilation; later processes: ~0.1 s). Two
-tiles advance in lockstep and share the table loads; tile pairs are split over ``num_threads``
-Python threads (the kernels release the GIL).
+tiles advance in lockstep and share the table loads; ``num_threads`` Python threads (the kernels
+release the GIL) take runs of up to 8 tile pairs from a shared queue, each thread with one
+workspace for all its runs. :func:`open_costs` runs pass 1 alone (the g search's estimate).
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ from .. import env
 
 from .viterbi_ref import Bits, check_bits, encode_tiles_ref, shifts_for_bits  # noqa: F401  (re-export)
 
-__all__ = ["encode_tiles", "encode_tiles_custom", "encode_tiles_ref", "warmup", "kernel_plan"]
+__all__ = ["encode_tiles", "encode_tiles_custom", "encode_tiles_ref", "open_costs", "open_costs_custom",
+           "warmup", "kernel_plan"]
 
-_GENERATOR_VERSION = "6"
+_GENERATOR_VERSION = "7"
 _CHUNK_K = 4    # k values per unrolled chunk in kernel B
 _PAD = 32       # floats of padding after every cost-array row of 2^M floats (when M >= _PAD_MIN)
 _PAD_T = 48     # floats of padding after every kernel-A table row (when M >= _PAD_MIN)
@@ -238,10 +240,11 @@ def _gen_module(L: int, plan: tuple[tuple[int, int, int, str], ...]) -> str:
             kw = "if" if n == 0 else "elif"
             r.append(f"{ind}{kw} D == {D} and Dn == {Dn} and Dnn == {Dnn}:")
             t = pairs.index((D, Dn, kind))
+            b0, b1 = (f"bp0[{row}]", f"bp1[{row}]") if row else ("bp0", "bp1")
             if kind == "A":
-                r.append(f"{ind}    kA_{D}_{Dn}_{Dnn}(tab{t}, pv0, nw0, bp0[{row}], w0, pv1, nw1, bp1[{row}], w1, r0, r1)")
+                r.append(f"{ind}    kA_{D}_{Dn}_{Dnn}(tab{t}, pv0, nw0, {b0}, w0, pv1, nw1, {b1}, w1, r0, r1)")
             else:
-                r.append(f"{ind}    kB_{D}_{Dn}_{Dnn}(tab{t}, pv0, nw0, bp0[{row}], w0, pv1, nw1, bp1[{row}], w1)")
+                r.append(f"{ind}    kB_{D}_{Dn}_{Dnn}(tab{t}, pv0, nw0, {b0}, w0, pv1, nw1, {b1}, w1)")
         return r
 
     def shifts3(ind: str, i: str) -> list[str]:
@@ -285,44 +288,84 @@ def _gen_module(L: int, plan: tuple[tuple[int, int, int, str], ...]) -> str:
         "            e = q",
         "    return e",
         "",
-        "@njit(**_J)",
-        f"def run_pairs(targets, ia, ib, shifts, cbv, states_out, values_out, info, {tab_args}):",
-        "    N = shifts.shape[0]",
-        "    half = N // 2",
-        f"    ws = np.empty({6 * SZ + 6 * _STAGGER}, np.float32)",
-        f"    x0 = ws[0:{SZ}]",
-        f"    y0 = ws[{SZ + _STAGGER}:{2 * SZ + _STAGGER}]",
-        f"    r0 = ws[{2 * SZ + 2 * _STAGGER}:{3 * SZ + 2 * _STAGGER}]",
-        f"    x1 = ws[{3 * SZ + 3 * _STAGGER}:{4 * SZ + 3 * _STAGGER}]",
-        f"    y1 = ws[{4 * SZ + 4 * _STAGGER}:{5 * SZ + 4 * _STAGGER}]",
-        f"    r1 = ws[{5 * SZ + 5 * _STAGGER}:{6 * SZ + 5 * _STAGGER}]",
-        f"    bpw = np.empty(2 * N * {SZB} + {4 * _STAGGER}, np.uint8)",
-        f"    bp0 = bpw[0:N * {SZB}].reshape((N, {SZB}))",
-        f"    bp1 = bpw[N * {SZB} + {4 * _STAGGER}:2 * N * {SZB} + {4 * _STAGGER}].reshape((N, {SZB}))",
-        "    for p in range(ia.shape[0]):",
-        "        a = ia[p]",
-        "        b = ib[p]",
-        "        # pass 1: positions half..N-1, 0..half-1, free start",
-        "        x0[:] = 0.0",
-        "        x1[:] = 0.0",
-        "        pv0 = x0",
-        "        nw0 = y0",
-        "        pv1 = x1",
-        "        nw1 = y1",
-        "        for j in range(N):",
-        "            i = half + j",
-        "            if i >= N:",
-        "                i -= N",
+        f"WS_F32 = {6 * SZ + 6 * _STAGGER}",
+        f"SZB = {SZB}",
+        f"BP_GAP = {4 * _STAGGER}",
+        "",
     ]
-    out += shifts3("            ", "i")
+
+    def views(bp_rows: str) -> list[str]:
+        # the workspace (ws: WS_F32 floats; bpw: 2 * rows * SZB + BP_GAP bytes) split into the cost
+        # arrays and the backpointer rows of both tiles ("1": one flat scratch row each)
+        return [
+            f"    x0 = ws[0:{SZ}]",
+            f"    y0 = ws[{SZ + _STAGGER}:{2 * SZ + _STAGGER}]",
+            f"    r0 = ws[{2 * SZ + 2 * _STAGGER}:{3 * SZ + 2 * _STAGGER}]",
+            f"    x1 = ws[{3 * SZ + 3 * _STAGGER}:{4 * SZ + 3 * _STAGGER}]",
+            f"    y1 = ws[{4 * SZ + 4 * _STAGGER}:{5 * SZ + 4 * _STAGGER}]",
+            f"    r1 = ws[{5 * SZ + 5 * _STAGGER}:{6 * SZ + 5 * _STAGGER}]",
+        ] + ([
+            f"    bp0 = bpw[0:{SZB}]",
+            f"    bp1 = bpw[{SZB + 4 * _STAGGER}:{2 * SZB + 4 * _STAGGER}]",
+        ] if bp_rows == "1" else [
+            f"    bp0 = bpw[0:{bp_rows} * {SZB}].reshape(({bp_rows}, {SZB}))",
+            f"    bp1 = bpw[{bp_rows} * {SZB} + {4 * _STAGGER}:2 * {bp_rows} * {SZB} + {4 * _STAGGER}].reshape(({bp_rows}, {SZB}))",
+        ])
+
+    def pass1(row: str) -> list[str]:
+        r = [
+            "        # pass 1: positions half..N-1, 0..half-1, free start",
+            "        x0[:] = 0.0",
+            "        x1[:] = 0.0",
+            "        pv0 = x0",
+            "        nw0 = y0",
+            "        pv1 = x1",
+            "        nw1 = y1",
+            "        for j in range(N):",
+            "            i = half + j",
+            "            if i >= N:",
+            "                i -= N",
+        ]
+        r += shifts3("            ", "i")
+        r += [
+            "            w0 = targets[a, i]",
+            "            w1 = targets[b, i]",
+        ]
+        r += dispatch("            ", row)
+        r += [
+            "            pv0, nw0 = nw0, pv0",
+            "            pv1, nw1 = nw1, pv1",
+        ]
+        return r
+
+    # pass 1 only (the open-path minimum), backpointers into one scratch row per tile
+    out += ["@njit(**_J)",
+            f"def run_costs(targets, ia, ib, shifts, costs, ws, bpw, {tab_args}):",
+            "    N = shifts.shape[0]",
+            "    half = N // 2"]
+    out += views("1")
+    out += ["    for p in range(ia.shape[0]):",
+            "        a = ia[p]",
+            "        b = ib[p]"]
+    out += pass1("")
     out += [
-        "            w0 = targets[a, i]",
-        "            w1 = targets[b, i]",
+        "        Dh = shifts[half]",
+        "        Dh1 = shifts[half + 1] if half + 1 < N else shifts[half + 1 - N]",
+        "        costs[a] = pv0[_idx(Dh, Dh1, _argmin(pv0, Dh, Dh1))]",
+        "        costs[b] = pv1[_idx(Dh, Dh1, _argmin(pv1, Dh, Dh1))]",
+        "",
     ]
-    out += dispatch("            ", "j")
+
+    out += ["@njit(**_J)",
+            f"def run_pairs(targets, ia, ib, shifts, cbv, states_out, values_out, info, ws, bpw, {tab_args}):",
+            "    N = shifts.shape[0]",
+            "    half = N // 2"]
+    out += views("N")
+    out += ["    for p in range(ia.shape[0]):",
+            "        a = ia[p]",
+            "        b = ib[p]"]
+    out += pass1("j")
     out += [
-        "            pv0, nw0 = nw0, pv0",
-        "            pv1, nw1 = nw1, pv1",
         "        # final costs are laid out for the step at position half",
         "        Dh = shifts[half]",
         "        Dh1 = shifts[half + 1] if half + 1 < N else shifts[half + 1 - N]",
@@ -467,6 +510,46 @@ def _default_threads() -> int:
     return int(numba.get_num_threads())
 
 
+#: pairs of tiles per work item: threads take items from a shared queue (a core slowed by other
+#: processes then takes fewer), and an item is long enough (tens of ms) to hide the hand-off
+_CHUNK_PAIRS = 8
+
+
+def _parallel(mod, npairs: int, num_threads: Optional[int], n_rows: int, call) -> None:
+    """Run ``call(lo, hi, ws, bpw)`` over the pair ranges ``[lo, hi)`` of ``0..npairs``, on up to
+    ``num_threads`` threads, each with its own workspace (``n_rows`` backpointer rows per tile)."""
+    nt = max(1, min(num_threads or _default_threads(), npairs))
+
+    def workspace():
+        return (np.empty(mod.WS_F32, np.float32), np.empty(2 * n_rows * mod.SZB + mod.BP_GAP, np.uint8))
+
+    if nt == 1:
+        call(0, npairs, *workspace())
+        return
+    chunk = max(1, min(_CHUNK_PAIRS, npairs // (4 * nt)))
+    starts = iter(range(0, npairs, chunk))
+    lock = threading.Lock()
+
+    def worker():
+        ws, bpw = workspace()
+        while True:
+            with lock:
+                lo = next(starts, None)
+            if lo is None:
+                return
+            call(lo, min(lo + chunk, npairs), ws, bpw)
+
+    with ThreadPoolExecutor(max_workers=nt) as ex:
+        for f in [ex.submit(worker) for _ in range(nt)]:
+            f.result()
+
+
+def _pair_indices(T: int) -> tuple[np.ndarray, np.ndarray]:
+    ia = np.arange(0, T, 2, dtype=np.int64)
+    ib = np.minimum(ia + 1, T - 1)  # odd T: the last tile runs paired with itself
+    return ia, ib
+
+
 def _run(w: np.ndarray, shifts: np.ndarray, table: np.ndarray, L: int, plan, tabs, num_threads: Optional[int]):
     T, N = w.shape
     mod = _load_module(L, plan)
@@ -475,23 +558,28 @@ def _run(w: np.ndarray, shifts: np.ndarray, table: np.ndarray, L: int, plan, tab
     info = np.zeros((T, 3), dtype=np.float64)
     if T == 0:
         return states, values, info
-    ia = np.arange(0, T, 2, dtype=np.int64)
-    ib = np.minimum(ia + 1, T - 1)  # odd T: the last tile runs paired with itself
-    npairs = ia.shape[0]
-    nt = max(1, min(num_threads or _default_threads(), npairs))
-    bounds = [npairs * t // nt for t in range(nt + 1)]
+    ia, ib = _pair_indices(T)
 
-    def work(t: int):
-        lo, hi = bounds[t], bounds[t + 1]
-        if hi > lo:
-            mod.run_pairs(w, ia[lo:hi], ib[lo:hi], shifts, table, states, values, info, *tabs)
+    def call(lo, hi, ws, bpw):
+        mod.run_pairs(w, ia[lo:hi], ib[lo:hi], shifts, table, states, values, info, ws, bpw, *tabs)
 
-    if nt == 1:
-        work(0)
-    else:
-        with ThreadPoolExecutor(max_workers=nt) as ex:
-            list(ex.map(work, range(nt)))
+    _parallel(mod, ia.shape[0], num_threads, N, call)
     return states, values, info
+
+
+def _run_costs(w: np.ndarray, shifts: np.ndarray, L: int, plan, tabs, num_threads: Optional[int]) -> np.ndarray:
+    T = w.shape[0]
+    mod = _load_module(L, plan)
+    costs = np.zeros(T, dtype=np.float32)
+    if T == 0:
+        return costs
+    ia, ib = _pair_indices(T)
+
+    def call(lo, hi, ws, bpw):
+        mod.run_costs(w, ia[lo:hi], ib[lo:hi], shifts, costs, ws, bpw, *tabs)
+
+    _parallel(mod, ia.shape[0], num_threads, 1, call)
+    return costs
 
 
 def _to_numpy_f32(x) -> tuple[np.ndarray, bool]:
@@ -557,6 +645,45 @@ def encode_tiles_custom(targets, shifts: Sequence[int], table, L: int, *, kind: 
             "cost2": info[:, 2].astype(np.float32),
         }
     return states, values
+
+
+def open_costs(targets, bits: Bits, codebook: str, *, num_threads: Optional[int] = None):
+    """Pass 1 alone: per tile, the smallest squared error over *open* paths (free start and end,
+    positions 128..255, 0..127) -- the ``cost1`` of :func:`encode_tiles_custom`, at half the work
+    of a full encode and without states. The global-scale search uses it as its error estimate.
+
+    ``targets`` fp32 ``[T, 256]``; returns fp32 ``[T]`` (torch in -> torch out).
+    """
+    from exl3rt.format.codebooks import check_codebook
+
+    check_codebook(codebook)
+    check_bits(bits, codebook)
+    w, is_torch = _to_numpy_f32(targets)
+    if w.ndim != 2 or w.shape[1] != 256:
+        raise ValueError(f"targets must be [T, 256], got {tuple(w.shape)}")
+    shifts, _, plan, tabs = _named_setup(codebook, int(round(float(bits) * 2)))
+    costs = _run_costs(w, shifts, 16, plan, tabs, num_threads)
+    return torch.from_numpy(costs) if is_torch else costs
+
+
+def open_costs_custom(targets, shifts: Sequence[int], table, L: int, *, kind: Optional[str] = None,
+                      num_threads: Optional[int] = None) -> np.ndarray:
+    """:func:`open_costs` on a generic trellis (arguments as :func:`encode_tiles_custom`)."""
+    w, _ = _to_numpy_f32(targets)
+    shifts_a = np.asarray([int(d) for d in shifts], dtype=np.int64)
+    N = shifts_a.shape[0]
+    if w.ndim != 2 or w.shape[1] != N or N < 2:
+        raise ValueError(f"targets must be [T, {N}] with N >= 2, got {tuple(w.shape)}")
+    if shifts_a.min() < 1 or (shifts_a + np.roll(shifts_a, -1)).max() > L:
+        raise ValueError("need shifts >= 1 and shifts[i] + shifts[i+1] <= L")
+    tab, _ = _to_numpy_f32(table)
+    tab = tab.reshape(-1)
+    if tab.shape[0] != 1 << L:
+        raise ValueError(f"table must hold 2^L = {1 << L} values")
+    if kind is not None and kind not in ("A", "B"):
+        raise ValueError("kind must be None, 'A' or 'B'")
+    plan = kernel_plan(L, shifts_a, kind)
+    return _run_costs(w, shifts_a, L, plan, _tables(tab, L, plan), num_threads)
 
 
 def warmup(bits: Bits = 4, codebook: str = "mcg") -> None:
