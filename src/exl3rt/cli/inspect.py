@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from ..format.checkpoint import Exl3Checkpoint
+from ..util.units import fmt_bytes
 
 HELP = "list the quantized layers of an EXL3 checkpoint (directory or .safetensors file)"
 
@@ -24,12 +25,6 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n}"  # unreachable
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,15 +46,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'layer':<{width}}  {'shape (in x out)':>16}  {'bits':>4}  {'codebook':>8}  {'bytes':>11}")
     for li in linears:
         shape = f"{li.in_padded} x {li.out_padded}"
-        print(f"{li.name:<{width}}  {shape:>16}  {li.bits!s:>4}  {li.codebook:>8}  {_fmt_bytes(li.nbytes):>11}")
+        print(f"{li.name:<{width}}  {shape:>16}  {li.bits!s:>4}  {li.codebook:>8}  {fmt_bytes(li.nbytes):>11}")
     cbs = ", ".join(f"{k}: {v}" for k, v in sorted(summary["codebooks"].items()))
     print()
     print(f"linears      {summary['linears']} ({cbs})")
     print(f"weights      {summary['weights']:,}")
     print(f"bpw          {summary['bpw']:.4f}  (weight-averaged K)")
     print(f"bpw+scales   {summary['bpw_with_scales']:.4f}")
-    print(f"size         {_fmt_bytes(summary['linear_bytes'])} quantized + "
-          f"{_fmt_bytes(summary['other_bytes'])} other = {_fmt_bytes(summary['total_bytes'])}")
+    print(f"size         {fmt_bytes(summary['linear_bytes'])} quantized + "
+          f"{fmt_bytes(summary['other_bytes'])} other = {fmt_bytes(summary['total_bytes'])}")
     if summary["config_bits"] is not None:
         print(f"config bits  {summary['config_bits']}  (config.json, informational; excludes the head)")
     if args.validate:

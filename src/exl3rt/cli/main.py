@@ -14,14 +14,16 @@ from .. import __version__, env
 from ..encode.errors import EncodeError
 from ..format.errors import FormatError
 from ..util.tensorfiles import TensorFileError
-from . import example, inspect, quantize
+from . import cache, evaluate, example, generate, inspect, quantize
 
-COMMANDS = (quantize, inspect, example)
+COMMANDS = (generate, evaluate, quantize, inspect, cache, example)
 
 DESCRIPTION = """\
 exl3rt reads, writes and runs LLM weights quantized as EXL3 trellis codes (the ExLlamaV3 format).
 
 Try it:
+  exl3rt generate                      SmolLM2-135M encoded to 4 bits on load (cached), then a reply
+  exl3rt eval --bits 2 3 4 6           perplexity of each bitrate next to the unquantized model
   exl3rt example /tmp/tiny-exl3        write a small random EXL3 checkpoint
   exl3rt inspect /tmp/tiny-exl3        list its quantized layers and average bits per weight
   exl3rt quantize SRC OUT --bits 4     convert a Hugging Face checkpoint to EXL3 (resumable)

@@ -1,0 +1,79 @@
+"""``exl3rt eval``: perplexity of the unquantized model and of each EXL3 bitrate, as one table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+from ._load import add_model_args, describe_load, load, model_path
+
+HELP = "perplexity on a bundled text: the unquantized model and each EXL3 bitrate side by side"
+
+DESCRIPTION = HELP + """.
+
+Every bitrate is loaded the way `exl3rt generate` loads it (online encoding through the encoding
+cache), scored on the same tokens in non-overlapping windows of --ctx tokens, and compared with the
+unquantized model loaded from the same directory. The bundled text is ~1500 words of plain
+English prose (exl3rt/data/eval_text.txt); pass --text FILE for your own.
+
+examples:
+  exl3rt eval --bits 2 3 4 6                       # SmolLM2-135M-Instruct
+  exl3rt eval --model ./Llama-3.2-1B --bits 3 4 --device cuda --json
+"""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("eval", help=HELP, description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bits", type=float, nargs="+", default=[2, 3, 4, 6], help="bitrates to score (default 2 3 4 6)")
+    p.add_argument("--text", metavar="FILE", help="text file to score (default: the bundled text)")
+    p.add_argument("--ctx", type=int, default=512, help="window length in tokens (default 512)")
+    p.add_argument("--max-tokens", type=int, help="score only the first N tokens")
+    p.add_argument("--no-baseline", action="store_true", help="skip the unquantized model")
+    p.add_argument("--json", action="store_true", help="print the table as JSON")
+    add_model_args(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..evaluation import perplexity
+
+    path, name = model_path(args)
+    text = None
+    if args.text:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    runs: list[Any] = ([] if args.no_baseline else [None]) + [b for b in args.bits]
+    rows: list[dict[str, Any]] = []
+    base_ppl = None
+    for bits in runs:
+        label = "unquantized" if bits is None else f"K={bits:g}"
+        if not args.json:
+            print(f"exl3rt: {name}: loading {label} ...", flush=True)
+        ld = load(args, path, bits)
+        if not args.json:
+            print(f"exl3rt: {describe_load(ld)}", flush=True)
+        r = perplexity(ld.model, ld.tokenizer, text, ctx=args.ctx, max_tokens=args.max_tokens)
+        if bits is None:
+            base_ppl = r.ppl
+        rows.append({"model": name, "bits": bits, "codebook": None if bits is None else args.codebook,
+                     "bpw": ld.summary.get("bpw"), "ppl": r.ppl, "tokens": r.tokens,
+                     "delta_pct": None if base_ppl is None or bits is None else 100.0 * (r.ppl / base_ppl - 1.0),
+                     "load_seconds": ld.seconds, "hits": ld.summary.get("hits"), "misses": ld.summary.get("misses")})
+        del ld
+    if args.json:
+        print(json.dumps({"model": name, "ctx": args.ctx, "rows": rows}, indent=2))
+        return 0
+    print(f"\nperplexity on {'the bundled text' if text is None else args.text} "
+          f"({rows[0]['tokens']} tokens, windows of {args.ctx}), {name}")
+    print(f"{'weights':<18}{'bpw':>7}{'ppl':>10}{'vs unq.':>10}{'load s':>9}{'hits/misses':>13}")
+    for r in rows:
+        w = "unquantized" if r["bits"] is None else f"EXL3 K={r['bits']:g} {r['codebook']}"
+        bpw = "" if r["bpw"] is None else f"{r['bpw']:.2f}"
+        d = "" if r["delta_pct"] is None else f"{r['delta_pct']:+.1f}%"
+        hm = "" if r["bits"] is None else f"{r['hits']}/{r['misses']}"
+        ppl = f"{r['ppl']:.3f}" if math.isfinite(r["ppl"]) else "inf"
+        print(f"{w:<18}{bpw:>7}{ppl:>10}{d:>10}{r['load_seconds']:>9.1f}{hm:>13}")
+    return 0

@@ -1,0 +1,301 @@
+"""transformers (5.x) integration: ``from_pretrained(path, quantization_config=Exl3Config(bits=4))``.
+
+Importing this module registers ``quant_method = "exl3rt"`` (a ``QuantizationConfigMixin`` and an
+``HfQuantizer``) with transformers; registering twice is a no-op. transformers 5.24 ships no EXL3
+method of its own, so the name is free. Two config objects are accepted by ``from_pretrained``:
+
+- :class:`Exl3Config` from this module (a ``QuantizationConfigMixin`` with the runtime fields);
+- ``exl3rt.Exl3Config`` (the plain runtime dataclass). Its ``quant_method`` property registers this
+  module when transformers reads it, and :class:`Exl3HfQuantizer` wraps it into the class above,
+  so ``import exl3rt`` never imports transformers.
+
+How the weights flow (each linear is encoded as its weight loads; the dense model never exists in full):
+
+1. ``_process_model_before_weight_loading`` (model on meta): :func:`exl3rt.runtime.policy.select_targets`
+   picks the modules; each is replaced by a placeholder — an ``Exl3Linear`` with meta codes of the
+   right shapes plus a meta ``weight`` of the checkpoint's shape (so the checkpoint key still matches
+   and transformers routes it to us), or an ``Exl3Experts`` with meta ``gate_up_proj``/``down_proj``.
+2. ``param_needs_quantization`` says yes for exactly those placeholder parameters; transformers then
+   loads them one at a time (no async prefetch with on-the-fly quantization), runs the model's own
+   conversions (e.g. the per-expert merge into ``gate_up_proj``), and calls our op's ``convert``.
+3. :class:`Exl3Quantize` ``.convert`` encodes the tensor through the cache (per expert slice for
+   fused experts) and returns ``{<module>.trellis, .suh, .svh}`` plus an empty placeholder for the
+   dense key, which transformers installs; the dense tensor is dropped when ``convert`` returns.
+4. ``_process_model_after_weight_loading`` removes the placeholders, quantizes a tied head if asked
+   (``quantize_lm_head`` with tied embeddings: the head is encoded from the embedding and untied),
+   and checks every selected weight was loaded. ``model.hf_quantizer.summary()`` tells hits/misses.
+
+``save_pretrained`` is refused (``is_serializable`` is False): the codes live in the exl3rt cache; write
+an EXL3 checkpoint with ``exl3rt quantize`` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from transformers.core_model_loading import ConversionOps
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+from transformers.quantizers.base import HfQuantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from ..runtime.config import QUANT_METHOD
+from ..runtime.config import Exl3Config as RuntimeExl3Config
+from ..runtime.experts import Exl3Experts
+from ..runtime.linear import Exl3Linear
+from ..runtime.online import OnlineEncoder, make_cache
+from ..runtime.policy import ExpertsTarget, LinearTarget, select_targets
+from ..runtime.quantize_model import _quantize_linear, _replace, untie_head
+from ..util.progress import Progress
+
+log = logging.getLogger("exl3rt.integrations")
+
+_FIELDS = tuple(f for f in RuntimeExl3Config.__dataclass_fields__)
+
+
+class Exl3Config(QuantizationConfigMixin):
+    """transformers-facing twin of :class:`exl3rt.Exl3Config` (same fields, same validation)."""
+
+    def __init__(self, bits=4, codebook="mcg", seed=0, bits_for=None, ignore=None, quantize_lm_head=False,
+                 head_bits=6, cache_mode=None, cache_dir=None, encode_device=None, backend="auto",
+                 dequant_cache=None, progress=True, **kwargs: Any):
+        method = kwargs.pop("quant_method", QUANT_METHOD)
+        if str(method) != QUANT_METHOD or kwargs:
+            bad = sorted(kwargs) if kwargs else [f"quant_method={method!r}"]
+            raise ValueError(f"exl3rt Exl3Config: unknown argument(s) {bad}; valid: {list(_FIELDS)}")
+        rt = RuntimeExl3Config(bits=bits, codebook=codebook, seed=seed, bits_for=dict(bits_for or {}),
+                               ignore=list(ignore or []), quantize_lm_head=quantize_lm_head, head_bits=head_bits,
+                               cache_mode=cache_mode, cache_dir=cache_dir, encode_device=encode_device,
+                               backend=backend, dequant_cache=dequant_cache, progress=progress)
+        self.quant_method = QUANT_METHOD
+        for f in _FIELDS:
+            setattr(self, f, getattr(rt, f))
+
+    def to_runtime(self) -> RuntimeExl3Config:
+        """The equivalent :class:`exl3rt.Exl3Config`."""
+        return RuntimeExl3Config(**{f: getattr(self, f) for f in _FIELDS})
+
+    @classmethod
+    def from_runtime(cls, config: RuntimeExl3Config) -> "Exl3Config":
+        return cls(**{f: getattr(config, f) for f in _FIELDS})
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f: getattr(self, f) for f in _FIELDS}
+        out["bits_for"], out["ignore"] = dict(out["bits_for"]), list(out["ignore"])
+        out["quant_method"] = QUANT_METHOD
+        return out
+
+
+def _as_hf_config(config: Any) -> Exl3Config:
+    if isinstance(config, Exl3Config):
+        return config
+    if isinstance(config, RuntimeExl3Config):
+        return Exl3Config.from_runtime(config)
+    if isinstance(config, dict):
+        return Exl3Config(**config)
+    raise TypeError(f"exl3rt: quantization_config must be an exl3rt Exl3Config, got {type(config).__name__}")
+
+
+def _spent(t: torch.Tensor) -> torch.Tensor:
+    """What a dense placeholder key receives once its codes exist: an empty tensor (freed later)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device)
+
+
+class Exl3Quantize(ConversionOps):
+    """The per-tensor quantize op transformers calls while loading (see the module docstring, step 3)."""
+
+    def __init__(self, hf_quantizer: "Exl3HfQuantizer"):
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict: dict[str, Any], source_patterns: Optional[list[str]] = None,
+                target_patterns: Optional[list[str]] = None, full_layer_name: Optional[str] = None,
+                model: Optional[nn.Module] = None, **kwargs: Any) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for key, value in input_dict.items():
+            value = value[0] if isinstance(value, list) else value
+            out.update(self.hf_quantizer.quantize_param(key, value))
+        return out
+
+
+class Exl3HfQuantizer(HfQuantizer):
+    """Online EXL3 quantization inside ``from_pretrained`` (see the module docstring)."""
+
+    requires_calibration = False
+
+    def __init__(self, quantization_config: Any, **kwargs: Any):
+        quantization_config = _as_hf_config(quantization_config)
+        super().__init__(quantization_config, **kwargs)
+        if self.pre_quantized:
+            raise ValueError("exl3rt: this checkpoint's config.json already names quant_method 'exl3rt', but exl3rt "
+                             "online-quantized models are not saved; load the original BF16/FP16 checkpoint")
+        self.config: RuntimeExl3Config = quantization_config.to_runtime()
+        self.encoder: Optional[OnlineEncoder] = None
+        self._pending: dict[str, LinearTarget | ExpertsTarget] = {}  # placeholder param name -> target
+        self._done: set[str] = set()
+        self._deferred: list[LinearTarget] = []  # tied head: encoded after loading
+        self._targets: list[LinearTarget | ExpertsTarget] = []
+        self._progress: Optional[Progress] = None
+        self._t0 = time.perf_counter()
+
+    # ---- environment -------------------------------------------------------------------------------------
+    def validate_environment(self, device_map: Any = None, **kwargs: Any) -> None:
+        if isinstance(device_map, dict) and any(str(d) in ("disk", "meta") for d in device_map.values()):
+            raise ValueError("exl3rt: online quantization cannot place layers on 'disk' (or leave them on 'meta'); "
+                             "use device_map='cpu', 'cuda', or a map of real devices")
+
+    def param_element_size(self, model: nn.Module, param_name: str, param: torch.Tensor) -> float:
+        target = self._pending.get(param_name)
+        if target is None:
+            return param.element_size()
+        k = target.bits if isinstance(target, LinearTarget) else self.config.bits
+        return float(k) / 8
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+    def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
+        log.warning("exl3rt: a model quantized online cannot be saved with save_pretrained yet; its codes are in "
+                    "the exl3rt encoding cache (reloading is fast). To write an EXL3 checkpoint, run "
+                    "`exl3rt quantize SRC OUT --bits K` on the original checkpoint.")
+        return False
+
+    # ---- before loading: placeholders --------------------------------------------------------------
+    def _encoder(self) -> OnlineEncoder:
+        if self.encoder is None:
+            self.encoder = OnlineEncoder(self.config, make_cache(self.config))
+        return self.encoder
+
+    def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        cfg = self.config
+        self._t0 = time.perf_counter()
+        tied = getattr(model, "all_tied_weights_keys", None) or {}
+        self._targets = select_targets(model, cfg)
+        for target in self._targets:
+            module = model.get_submodule(target.name)
+            if isinstance(target, LinearTarget):
+                if f"{target.name}.weight" in tied:  # a tied head has no checkpoint tensor of its own
+                    self._deferred.append(target)
+                    continue
+                with torch.device("meta"):
+                    new = Exl3Linear(target.in_features, target.out_features, target.bits, cfg.codebook,
+                                     bias=target.has_bias, dtype=module.weight.dtype, dequant_cache=cfg.dequant_cache,
+                                     name=target.name)
+                    new.weight = nn.Parameter(torch.empty_like(module.weight), requires_grad=False)
+                self._pending[f"{target.name}.weight"] = target
+            else:
+                new = self._experts_placeholder(module, target)
+                self._pending[f"{target.name}.{target.layout.up_param}"] = target
+                self._pending[f"{target.name}.down_proj"] = target
+            _replace(model, target.name, new)
+        total = sum(t.num_weights for t in self._targets)
+        self._progress = Progress(total, "exl3rt: quantizing", unit="w", enabled=cfg.progress)
+        return model
+
+    def _experts_placeholder(self, module: nn.Module, target: ExpertsTarget) -> Exl3Experts:
+        lay, cfg = target.layout, self.config
+        fn, attrs = Exl3Experts.gate_attrs(module)
+        dtype = module.down_proj.dtype
+        with torch.device("meta"):
+            new = Exl3Experts(lay, module.act_fn, apply_gate=fn, attrs=attrs, name=target.name)
+            for e in range(lay.num_experts):
+                for proj in lay.projections():
+                    out_f, in_f = lay.shape_of(proj)
+                    k = target.bits[e][proj]
+                    if k is None:
+                        child = nn.Linear(in_f, out_f, bias=False, dtype=dtype)
+                        child.weight.requires_grad_(False)
+                    else:
+                        child = Exl3Linear(in_f, out_f, k, cfg.codebook, dequant_cache=cfg.dequant_cache,
+                                           name=target.expert_name(e, proj))
+                    new.set_projection(e, proj, child)
+            for p, shape in lay.param_shapes().items():
+                new.register_parameter(p, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
+        return new
+
+    # ---- loading: one tensor at a time ------------------------------------------------------------------
+    def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:
+        return param_name in self._pending
+
+    def get_quantize_ops(self) -> Exl3Quantize:
+        return Exl3Quantize(self)
+
+    def quantize_param(self, key: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Codes for the placeholder parameter ``key`` from its loaded tensor ``value`` (step 3)."""
+        target = self._pending.get(key)
+        if target is None:
+            return {key: value}
+        enc = self._encoder()
+        out: dict[str, torch.Tensor] = {}
+        if isinstance(target, LinearTarget):
+            mats = {target.name: (value, target.bits)}
+        else:
+            param = key.rpartition(".")[2]
+            mats = {target.expert_name(e, proj): (w, target.bits[e][proj])
+                    for e in range(target.layout.num_experts)
+                    for proj, w in target.layout.split(param, value, e).items()}
+        for name, (w, k) in mats.items():
+            if k is None:
+                out[f"{name}.weight"] = w.contiguous().clone()
+                continue
+            codes = enc.encode(name, w, k)
+            out.update({f"{name}.trellis": codes.trellis, f"{name}.suh": codes.suh, f"{name}.svh": codes.svh})
+            if self._progress is not None:
+                self._progress.update(w.numel(), note=name)
+        out[key] = _spent(value)
+        self._done.add(key)
+        return out
+
+    # ---- after loading -------------------------------------------------------------------------------
+    def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        missing = sorted(k for k in self._pending if k not in self._done)
+        if missing:
+            raise RuntimeError(f"exl3rt: {len(missing)} selected weight(s) were not in the checkpoint, so they could "
+                               f"not be quantized: {missing[:5]}{' …' if len(missing) > 5 else ''}; add their "
+                               f"modules to Exl3Config.ignore, or check the checkpoint")
+        for key in self._pending:
+            prefix, _, param = key.rpartition(".")
+            module = model.get_submodule(prefix)
+            module._parameters.pop(param, None)  # the dense placeholder (now empty)
+        enc = self._encoder()
+        for target in self._deferred:
+            module = model.get_submodule(target.name)
+            new = _quantize_linear(module, target, enc, self.config)
+            _replace(model, target.name, new)
+            untie_head(model, target.name)
+            if self._progress is not None:
+                self._progress.update(target.num_weights, note=target.name)
+        enc.stats.modules = len(self._targets)
+        enc.stats.seconds = time.perf_counter() - self._t0
+        if self._progress is not None:
+            self._progress.close()
+        s = enc.stats
+        log.info("exl3rt: %d matrices in %d modules (%d cache hits, %d encoded; encode %.1f s, read %.1f s)",
+                 s.layers, s.modules, s.hits, s.misses, s.encode_seconds, s.read_seconds)
+        return model
+
+    def summary(self) -> dict[str, Any]:
+        """Counters of this load: layers, modules, hits, misses, encode/read seconds, weights, avg_bits, bpw, cache."""
+        out = self._encoder().summary()
+        out["names"] = [t.name for t in self._targets]
+        return out
+
+
+def register() -> None:
+    """Register ``quant_method="exl3rt"`` with transformers (idempotent; a foreign owner of the name is an error)."""
+    for mapping, cls in ((AUTO_QUANTIZATION_CONFIG_MAPPING, Exl3Config), (AUTO_QUANTIZER_MAPPING, Exl3HfQuantizer)):
+        current = mapping.get(QUANT_METHOD)
+        if current is cls:
+            continue
+        if current is not None and getattr(current, "__module__", "") != __name__:
+            raise RuntimeError(f"transformers already has a quantization method named {QUANT_METHOD!r} "
+                               f"({current.__module__}.{current.__name__}); exl3rt cannot register its own")
+        mapping[QUANT_METHOD] = cls  # new, or this module re-imported (e.g. importlib.reload)
+
+
+register()
+
+__all__ = ["Exl3Config", "Exl3HfQuantizer", "Exl3Quantize", "register"]

@@ -1,0 +1,15 @@
+"""Torch modules for EXL3 weights and the policy that turns a model into them (docs/online.md).
+
+- :class:`Exl3Config`: online quantization settings.
+- :func:`quantize_model`: quantize a loaded model in place, through the encoding cache.
+- :class:`Exl3Linear`, :class:`Exl3Experts`: the modules it installs.
+"""
+
+from .config import QUANT_METHOD, Exl3Config, Exl3ConfigError
+from .experts import Exl3Experts
+from .linear import Exl3Linear
+from .policy import PolicyError, select_targets
+from .quantize_model import quantize_model
+
+__all__ = ["QUANT_METHOD", "Exl3Config", "Exl3ConfigError", "Exl3Experts", "Exl3Linear", "PolicyError",
+           "quantize_model", "select_targets"]

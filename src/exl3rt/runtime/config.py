@@ -1,0 +1,194 @@
+"""Exl3Config: what online quantization does to a model (bits, codebook, overrides, cache, devices).
+
+One dataclass, validated on construction, shared by :func:`exl3rt.quantize_model` and the
+transformers integration (``from_pretrained(..., quantization_config=Exl3Config(bits=4))``).
+Errors name the field, the bad value and the fix.
+
+Module-name patterns (``bits_for`` keys and ``ignore`` entries) are shell-style (:mod:`fnmatch`,
+case-sensitive) and match the dotted module name, e.g. ``model.layers.3.mlp.down_proj`` or, for a
+fused MoE experts module, the per-expert name ``model.layers.3.mlp.experts.7.down_proj``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import sys
+from typing import Any, Mapping, Optional
+
+import torch
+
+from ..format.bits import Bits, is_half, normalize_bits
+from ..format.codebooks import CODEBOOKS
+from ..format.errors import FormatError
+
+#: the ``quant_method`` name registered with transformers
+QUANT_METHOD = "exl3rt"
+
+_BACKENDS = ("auto", "torch", "numba", "triton")
+
+
+class Exl3ConfigError(ValueError):
+    """A field of :class:`Exl3Config` holds a value that cannot be used."""
+
+
+@dataclasses.dataclass
+class Exl3Config:
+    """Online EXL3 quantization settings.
+
+    Fields:
+      bits            K for every quantized linear (1..8, or 1.5/2.5/3.5 with ``codebook="mul1"``)
+      codebook        "mcg" (default), "mul1" or "3inst"
+      seed            base seed; each module uses ``module_seed(name, seed)`` (order-independent)
+      bits_for        {pattern: K}: per-module K; every matching pattern applies, the last one wins
+      ignore          [pattern]: modules left unquantized (a pattern naming a fused experts module
+                      keeps all its experts dense)
+      quantize_lm_head  quantize ``lm_head`` too (at ``head_bits``; ``bits_for`` can override)
+      head_bits       K for ``lm_head`` when ``quantize_lm_head`` (default 6)
+      cache_mode      "readwrite" | "readonly" | "off"; None: ``EXL3RT_CACHE_MODE`` (default readwrite)
+      cache_dir       cache root; None: ``EXL3RT_CACHE_DIR`` or ``~/.cache/exl3rt``
+      encode_device   where encodes run ("cpu", "cuda", "cuda:1"); None: the weight's own device.
+                      The codes always end up on the weight's device.
+      backend         encoder tile backend: "auto", "torch", "numba", "triton"
+      dequant_cache   keep each layer's dequantized weight (activation dtype) on the module after the
+                      first forward: None = on for CPU, off for CUDA; True/False force it. It trades
+                      memory (the dense weight again) for speed (no re-decode per call).
+      progress        show a progress bar with ETA on stderr while loading (default True)
+    """
+
+    bits: Bits = 4
+    codebook: str = "mcg"
+    seed: int = 0
+    bits_for: dict[str, Bits] = dataclasses.field(default_factory=dict)
+    ignore: list[str] = dataclasses.field(default_factory=list)
+    quantize_lm_head: bool = False
+    head_bits: Bits = 6
+    cache_mode: Optional[str] = None
+    cache_dir: Optional[str] = None
+    encode_device: Optional[str] = None
+    backend: str = "auto"
+    dequant_cache: Optional[bool] = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- validation -------------------------------------------------------------------------
+    def _bits(self, value: Any, field: str) -> Bits:
+        try:
+            k = normalize_bits(value, name=f"Exl3Config.{field}")
+        except FormatError as exc:
+            raise Exl3ConfigError(str(exc)) from None
+        if is_half(k) and self.codebook != "mul1":
+            raise Exl3ConfigError(
+                f"Exl3Config.{field}={value!r}: half-integer K needs codebook='mul1' "
+                f"(got codebook={self.codebook!r}); use an integer K or set codebook='mul1'"
+            )
+        return k
+
+    def validate(self) -> None:
+        """Normalize and check every field; raise :class:`Exl3ConfigError` naming the field."""
+        if self.codebook not in CODEBOOKS:
+            raise Exl3ConfigError(f"Exl3Config.codebook={self.codebook!r}: unknown codebook; "
+                                  f"use one of {', '.join(repr(c) for c in CODEBOOKS)}")
+        self.bits = self._bits(self.bits, "bits")
+        self.head_bits = self._bits(self.head_bits, "head_bits")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise Exl3ConfigError(f"Exl3Config.seed={self.seed!r}: must be an int")
+        if not isinstance(self.bits_for, Mapping):
+            raise Exl3ConfigError(f"Exl3Config.bits_for={self.bits_for!r}: must be a dict {{pattern: K}}, "
+                                  f"e.g. {{'*.down_proj': 5}}")
+        checked: dict[str, Bits] = {}
+        for pattern, k in self.bits_for.items():
+            if not isinstance(pattern, str) or not pattern:
+                raise Exl3ConfigError(f"Exl3Config.bits_for: key {pattern!r} must be a non-empty module-name pattern")
+            checked[pattern] = self._bits(k, f"bits_for[{pattern!r}]")
+        self.bits_for = checked
+        if isinstance(self.ignore, str) or not isinstance(self.ignore, (list, tuple)):
+            raise Exl3ConfigError(f"Exl3Config.ignore={self.ignore!r}: must be a list of module-name patterns, "
+                                  f"e.g. ['*.self_attn.*']")
+        for pattern in self.ignore:
+            if not isinstance(pattern, str) or not pattern:
+                raise Exl3ConfigError(f"Exl3Config.ignore: entry {pattern!r} must be a non-empty pattern")
+        self.ignore = list(self.ignore)
+        for field in ("quantize_lm_head", "progress"):
+            if not isinstance(getattr(self, field), bool):
+                raise Exl3ConfigError(f"Exl3Config.{field}={getattr(self, field)!r}: must be True or False")
+        if self.dequant_cache is not None and not isinstance(self.dequant_cache, bool):
+            raise Exl3ConfigError(f"Exl3Config.dequant_cache={self.dequant_cache!r}: must be None, True or False")
+        if self.backend not in _BACKENDS:
+            raise Exl3ConfigError(f"Exl3Config.backend={self.backend!r}: use one of {', '.join(_BACKENDS)}")
+        if self.encode_device is not None:
+            try:
+                torch.device(self.encode_device)
+            except (RuntimeError, TypeError):
+                raise Exl3ConfigError(f"Exl3Config.encode_device={self.encode_device!r}: not a torch device; "
+                                      f"use None, 'cpu', 'cuda' or 'cuda:N'") from None
+        if self.cache_dir is not None and not isinstance(self.cache_dir, str):
+            self.cache_dir = str(self.cache_dir)
+        if self.cache_mode is not None:
+            self.cache_mode = _check_cache_mode(self.cache_mode)
+
+    # ---- policy helpers -----------------------------------------------------------------------
+    def is_ignored(self, name: str) -> bool:
+        """True if any ``ignore`` pattern matches module ``name``."""
+        return any(fnmatch.fnmatchcase(name, p) for p in self.ignore)
+
+    def bits_for_module(self, name: str, *, head: bool = False) -> Bits:
+        """K for module ``name``: ``head_bits`` for the head else ``bits``, then the last matching override."""
+        k = self.head_bits if head else self.bits
+        for pattern, value in self.bits_for.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                k = value
+        return k
+
+    # ---- (de)serialization ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict of the fields (plus ``quant_method``, as transformers expects)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["bits_for"] = dict(out["bits_for"])
+        out["ignore"] = list(out["ignore"])
+        out["quant_method"] = QUANT_METHOD
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Exl3Config":
+        """Inverse of :meth:`to_dict`; unknown keys are an error (a misspelt field must not be ignored)."""
+        data = dict(data)
+        method = data.pop("quant_method", QUANT_METHOD)
+        if str(method) != QUANT_METHOD:
+            raise Exl3ConfigError(f"Exl3Config.from_dict: quant_method={method!r} is not {QUANT_METHOD!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise Exl3ConfigError(f"Exl3Config.from_dict: unknown field(s) {unknown}; valid fields: {sorted(names)}")
+        return cls(**data)
+
+    # ---- transformers hook ---------------------------------------------------------------------------
+    @property
+    def quant_method(self) -> str:
+        """``"exl3rt"``. Reading it while transformers is imported registers exl3rt's quantizer there.
+
+        This lets the plain runtime config be passed straight to ``from_pretrained`` (transformers reads
+        ``quant_method`` to pick the quantizer) without ``import exl3rt`` ever importing transformers.
+        """
+        if "transformers" in sys.modules:
+            from ..integrations.transformers import register
+
+            register()
+        return QUANT_METHOD
+
+
+def _check_cache_mode(value: Any) -> str:
+    """The canonical cache-mode name, or Exl3ConfigError listing the valid ones."""
+    from ..cache.config import CacheMode, parse_cache_mode
+
+    try:
+        return str(parse_cache_mode(value))
+    except ValueError as exc:
+        valid = ", ".join(repr(m.value) for m in CacheMode)
+        raise Exl3ConfigError(f"Exl3Config.cache_mode={value!r}: {exc} (valid: {valid}, or None for "
+                              f"EXL3RT_CACHE_MODE)") from None
+
+
+__all__ = ["Exl3Config", "Exl3ConfigError", "QUANT_METHOD"]

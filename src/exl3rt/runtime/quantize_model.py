@@ -1,0 +1,131 @@
+"""quantize_model: turn a loaded torch model's linears into EXL3 modules, in place, through the cache.
+
+    for each target of policy.select_targets(model, config):
+        nn.Linear [out, in]        ──OnlineEncoder──► Exl3Linear (bias kept)       ─► replaces it
+        fused experts (3-D params) ──per expert slice──► Exl3Experts of Exl3Linear ─► replaces it
+        (the dense weight is dropped as soon as its module is replaced)
+
+Peak memory is the model as given plus the codes of one module (for a fused experts module: the codes
+of all its experts) — the dense weights shrink away as the pass advances.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..util.progress import Progress
+from .config import Exl3Config
+from .experts import Exl3Experts
+from .linear import Exl3Linear
+from .online import OnlineEncoder
+from .policy import ExpertsTarget, LinearTarget, select_targets
+
+log = logging.getLogger("exl3rt.runtime")
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def untie_head(model: nn.Module, head: str) -> None:
+    """Stop transformers from re-tying ``<head>.weight`` to the embedding (the head is now EXL3 codes)."""
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if isinstance(tied, dict):
+        tied.pop(f"{head}.weight", None)
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        for c in {id(cfg): cfg, id(text): text}.values():
+            if getattr(c, "tie_word_embeddings", False):
+                c.tie_word_embeddings = False
+
+
+def _quantize_linear(module: nn.Linear, target: LinearTarget, enc: OnlineEncoder, config: Exl3Config) -> Exl3Linear:
+    codes = enc.encode(target.name, module.weight.detach(), target.bits)
+    bias = None if module.bias is None else module.bias.detach()
+    return Exl3Linear.from_encoded(codes, bias, dequant_cache=config.dequant_cache, name=target.name)
+
+
+def _quantize_experts(module: nn.Module, target: ExpertsTarget, enc: OnlineEncoder, config: Exl3Config,
+                      progress: Progress) -> Exl3Experts:
+    lay = target.layout
+    fn, attrs = Exl3Experts.gate_attrs(module)
+    new = Exl3Experts(lay, module.act_fn, apply_gate=fn, attrs=attrs, name=target.name)
+    params = {"down_proj": module.down_proj.detach(), lay.up_param: getattr(module, lay.up_param).detach()}
+    for e in range(lay.num_experts):
+        mats: dict[str, torch.Tensor] = {}
+        for param, tensor in params.items():
+            mats.update(lay.split(param, tensor, e))
+        for proj in lay.projections():
+            w = mats[proj]
+            k = target.bits[e][proj]
+            name = target.expert_name(e, proj)
+            if k is None:  # kept dense (ignored)
+                child = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+                child.weight = nn.Parameter(w.contiguous().clone(), requires_grad=False)
+            else:
+                child = Exl3Linear.from_encoded(enc.encode(name, w, k), dequant_cache=config.dequant_cache, name=name)
+                progress.update(w.numel(), note=name)
+            new.set_projection(e, proj, child)
+    if lay.has_bias:
+        for p in (f"{lay.up_param}_bias", "down_proj_bias"):
+            setattr(new, p, nn.Parameter(getattr(module, p).detach().clone(), requires_grad=False))
+    return new
+
+
+def quantize_model(model: nn.Module, config: Optional[Exl3Config] = None, *, cache: Any = None,
+                   progress: bool = True) -> dict[str, Any]:
+    """Quantize ``model`` in place (see the module docstring); returns a summary dict.
+
+    ``config`` defaults to ``Exl3Config()`` (K=4, mcg). ``cache`` defaults to
+    ``EncodingCache(config.cache_dir, config.cache_mode)``. Summary keys: ``layers`` (matrices),
+    ``modules``, ``hits``, ``misses``, ``encode_seconds``, ``read_seconds``, ``seconds``,
+    ``total_weights``, ``avg_bits`` (weight-averaged K), ``bpw`` (stored bits of trellis+scales per
+    weight), ``code_bytes``, ``cache`` (the cache's own counters), ``cache_root``, ``cache_mode``,
+    ``names`` (the replaced modules).
+    """
+    config = config if config is not None else Exl3Config()
+    if not isinstance(config, Exl3Config):
+        to_runtime = getattr(config, "to_runtime", None)
+        if to_runtime is None:
+            raise TypeError(f"quantize_model: config must be an exl3rt Exl3Config, got {type(config).__name__}")
+        config = to_runtime()
+    t0 = time.perf_counter()
+    targets = select_targets(model, config)
+    enc = OnlineEncoder(config, cache)
+    total = sum(t.num_weights for t in targets)
+    names = []
+    with Progress(total, "exl3rt: quantizing", unit="w", enabled=progress and config.progress) as bar:
+        for target in targets:
+            module = model.get_submodule(target.name)
+            if isinstance(target, LinearTarget):
+                new = _quantize_linear(module, target, enc, config)
+                bar.update(target.num_weights, note=target.name)
+            else:
+                new = _quantize_experts(module, target, enc, config, bar)
+            tied = isinstance(target, LinearTarget) and any(
+                p is module.weight for n, p in model.named_parameters(remove_duplicate=False)
+                if not n.startswith(target.name + "."))
+            _replace(model, target.name, new)
+            if tied:  # e.g. a head sharing the embedding's weight: the embedding keeps it, the head is codes now
+                untie_head(model, target.name)
+            del module  # the dense weights go with the old module (unless the caller still holds them)
+            names.append(target.name)
+            enc.stats.modules += 1
+    enc.stats.seconds = time.perf_counter() - t0
+    summary = enc.summary()
+    summary["names"] = names
+    log.info("exl3rt: quantized %d matrices in %d modules (%d cache hits, %d encoded) in %.1f s, %.2f bits/weight",
+             summary["layers"], summary["modules"], summary["hits"], summary["misses"], summary["seconds"],
+             summary["avg_bits"])
+    return summary
+
+
+__all__ = ["quantize_model"]
