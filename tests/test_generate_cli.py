@@ -67,3 +67,11 @@ def test_eval_table_orders_bitrates(tiny, tmp_path, capsys):
     assert abs(k6 / base - 1) < 0.01
     assert abs(k2 / base - 1) > abs(k6 / base - 1)
     assert rows[1]["misses"] == 7 and rows[2]["misses"] == 7
+
+
+def test_generate_bad_bits_is_a_clear_error(tiny, tmp_path, capsys):
+    rc = main(["generate", "--model", str(tiny), "--bits", "2.5", "--cache-dir", str(tmp_path / "c"), "--quiet"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert err.startswith("exl3rt: error:") and "mul1" in err
+    assert not (tmp_path / "c").exists()

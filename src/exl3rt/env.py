@@ -91,7 +91,21 @@ CACHE_DIR: EnvVar[str] = EnvVar(
     "EXL3RT_CACHE_DIR", "", _path,
     "encoding cache root (default: $XDG_CACHE_HOME/exl3rt, i.e. ~/.cache/exl3rt)")
 
-ALL: tuple[EnvVar, ...] = (LOG_LEVEL, GOLDEN_DIR, KERNEL_CACHE_DIR, MODELS_DIR, CACHE_MODE, CACHE_DIR)
+def _flag(raw: str) -> bool:
+    value = raw.lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 1/0 (or true/false, yes/no, on/off)")
+
+
+KERNEL_NO_ASM: EnvVar[bool] = EnvVar(
+    "EXL3RT_KERNEL_NO_ASM", False, _flag,
+    "1: the GPU kernels decode with plain Triton ops instead of inline PTX (debugging, other GPUs)")
+
+ALL: tuple[EnvVar, ...] = (LOG_LEVEL, GOLDEN_DIR, KERNEL_CACHE_DIR, MODELS_DIR, CACHE_MODE, CACHE_DIR,
+                           KERNEL_NO_ASM)
 
 
 def xdg_cache_home() -> str:
@@ -111,4 +125,4 @@ def cache_dir() -> str:
 
 def describe() -> str:
     """One line per variable: name, default, meaning."""
-    return "\n".join(f"  {v.name:<22} (default {v.default!s:<8}) {v.help}" for v in ALL)
+    return "\n".join(f"  {v.name:<24} (default {v.default!s:<9}) {v.help}" for v in ALL)

@@ -11,8 +11,10 @@ import sys
 from typing import Optional, Sequence
 
 from .. import __version__, env
+from ..cache.errors import CacheError
 from ..encode.errors import EncodeError
 from ..format.errors import FormatError
+from ..runtime.config import Exl3ConfigError
 from ..util.tensorfiles import TensorFileError
 from . import cache, evaluate, example, generate, inspect, quantize
 
@@ -51,7 +53,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.print_help()
             return 2
         return int(args.run(args) or 0)
-    except (FormatError, EncodeError, TensorFileError, env.EnvError) as exc:
+    except (FormatError, EncodeError, TensorFileError, env.EnvError, CacheError, Exl3ConfigError) as exc:
         print(f"exl3rt: error: {exc}", file=sys.stderr)
         return 1
 

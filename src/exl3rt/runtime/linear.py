@@ -195,9 +195,16 @@ class Exl3Linear(nn.Module):
     def _kernel_forward(self, x_padded: torch.Tensor) -> torch.Tensor:
         """THE kernel hook: ``x_padded [rows, in_p]`` -> ``[rows, out_p]`` in ``x_padded.dtype``.
 
-        The Triton GEMV/GEMM kernels (issue 5) replace this body, dispatching on rows. Until then:
-        dequantize (untrimmed) and matmul.
+        On CUDA: :func:`exl3rt.kernels.exl3_linear` (Triton; decode-on-the-fly GEMV for few rows,
+        Triton decode + matmul for more). Elsewhere (or without Triton): dequantize (untrimmed) and
+        matmul.
         """
+        if x_padded.device.type == "cuda":
+            # imported here: importing triton (and defining the kernels) only when CUDA is used
+            from ..kernels.gemv import HAVE_TRITON
+            if HAVE_TRITON:
+                from ..kernels.linear import exl3_linear
+                return exl3_linear(x_padded, self.trellis, self.suh, self.svh, self.codebook)
         return x_padded @ self.dequantized_weight(x_padded.dtype, trim=False)
 
 

@@ -1,0 +1,228 @@
+"""EXL3 linear kernels on the GPU (issue 5): exl3rt.kernels.exl3_linear vs bf16 torch.matmul.
+
+    python benchmarks/bench_linear.py [--quick] [--codebook mcg] [--out benchmarks/results/linear_cuda.json]
+
+Per (layer in×out, K): ``--copies`` (default 8) independent random weight copies, rotated call by
+call so that no copy is served from the 60 MB L2; each timed call is a CUDA-graph replay of one
+whole ``exl3_linear`` (input rotation, GEMV or decode+matmul, output rotation), bracketed by CUDA
+events; the median over ``--iters`` calls is reported. ``torch.matmul`` in bf16 on the same
+number of dense copies is timed the same way in the same run. Before timing, every (shape, K)
+is checked against ``format.reconstruct`` in float64 (fp32 inputs; GEMV rows 1/4/16 and the GEMM
+path at 64 rows) and the Triton decode against ``format.decode`` bit for bit. Also times the GEMV
+kernel alone (``gemv_rotated``) at rows = 1 and reports decoded weights/s and trellis GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import commit, write_json  # noqa: E402
+from exl3rt.format.bits import words16_per_tile  # noqa: E402
+from exl3rt.format.reconstruct import decode, reconstruct  # noqa: E402
+from exl3rt.kernels import linear as kl  # noqa: E402
+
+SHAPES = [(4096, 14336), (14336, 4096), (8192, 8192)]
+BITS = [2, 3, 4, 6]
+ROWS = [1, 4, 16, 64, 256, 2048]
+ANCHORS = {  # exllamav3 1.6.5 (MCG) on the H200, issue 5: (in, out, K, rows) -> µs
+    (4096, 14336, 4, 1): 32.9, (4096, 14336, 2, 1): 34.3, (4096, 14336, 6, 1): 42.7,
+    (14336, 4096, 4, 1): 37.0, (8192, 8192, 4, 1): 46.3, (4096, 14336, 4, 16): 43.0,
+    (4096, 14336, 4, 256): 145.0, (4096, 14336, 4, 2048): 476.0,
+}
+
+
+def time_graphs(fns, iters: int, warmup: int = 3) -> float:
+    """Median µs of one call, rotating over ``fns`` (one per weight copy), each captured in a CUDA graph."""
+    graphs = []
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            for _ in range(warmup):
+                f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    for f in fns:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            f()
+        graphs.append(g)
+    for g in graphs:
+        g.replay()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for i, (a, b) in enumerate(ev):
+        a.record()
+        graphs[i % len(graphs)].replay()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev) * 1000.0
+
+
+def make_codes(in_p, out_p, bits, copies, dev, seed=0):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    w = words16_per_tile(bits)
+    out = []
+    for _ in range(copies):
+        tr = torch.randint(-32768, 32768, (in_p // 16, out_p // 16, w), dtype=torch.int16, device=dev, generator=g)
+        suh = ((torch.rand(in_p, device=dev, generator=g) + 0.5) * 0.05).half()
+        svh = ((torch.rand(out_p, device=dev, generator=g) + 0.5) * 0.05).half()
+        out.append((tr, suh, svh))
+    return out
+
+
+def rel(y, ref):
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def check(codes, codebook, bits, dev):
+    tr, suh, svh = codes
+    res = {}
+    q = kl.decode_fp16(tr, codebook)
+    res["decode_exact"] = bool(torch.equal(q, decode(tr, bits, codebook)))
+    del q
+    w = reconstruct(tr, suh, svh, codebook, dtype=torch.float64)
+    for rows in (1, 4, 16, 64):
+        x = torch.randn(rows, tr.shape[0] * 16, device=dev)
+        y = kl.exl3_linear(x, tr, suh, svh, codebook)
+        res[f"rel_rows{rows}"] = rel(y, x.double() @ w)
+        res[f"finite_rows{rows}"] = bool(torch.isfinite(y).all())
+    x = torch.randn(16, tr.shape[0] * 16, device=dev)  # the GEMV kernel's largest row block, forced
+    y = kl.exl3_linear(x, tr, suh, svh, codebook, gemv_max_rows=16)
+    res["rel_gemv_rows16"] = rel(y, x.double() @ w)
+    del w
+    # GEMV (fp32 x'): ~3e-7; decode+matmul (x' rounded to fp16 for the fp16 matmul): ~2e-4
+    tol = {r: 1e-5 if r <= kl.GEMV_DISPATCH_ROWS else 3e-3 for r in (1, 4, 16, 64)}
+    res["ok"] = res["decode_exact"] and res["rel_gemv_rows16"] < 1e-5 and all(
+        res[f"rel_rows{r}"] < tol[r] and res[f"finite_rows{r}"] for r in (1, 4, 16, 64))
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="4096x14336 only, K 2/4, rows 1/16/256")
+    ap.add_argument("--codebook", default="mcg")
+    ap.add_argument("--copies", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--tune", action="store_true", help="time GEMV configs at rows=1 and use the best")
+    ap.add_argument("--out", default="benchmarks/results/linear_cuda.json")
+    args = ap.parse_args(argv)
+    dev = "cuda"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    shapes, bits_list, rows_list = SHAPES, BITS, ROWS
+    if args.quick:
+        shapes, bits_list, rows_list = SHAPES[:1], [2, 4], [1, 16, 256]
+    cb = args.codebook
+    props = torch.cuda.get_device_properties(0)
+    results = {"commit": commit(), "device": props.name, "sms": props.multi_processor_count,
+               "torch": torch.__version__, "codebook": cb, "copies": args.copies, "iters": args.iters,
+               "checks": [], "gemv_kernel": [], "tune": [], "rows": []}
+    import triton
+    results["triton"] = triton.__version__
+
+    # Exl3Linear on CUDA dispatches to these kernels: check it end to end (padding, trim, bias) once
+    from exl3rt.runtime.linear import Exl3Linear
+    t0 = time.time()
+    n_pre = kl.prewarm([(4096, 14336, 4, cb)], rows=(1, 4, 64), dtype=torch.bfloat16)
+    results["prewarm"] = {"launches": n_pre, "s": time.time() - t0}
+    m = Exl3Linear(4000, 14000, 4, cb, bias=True, device=dev, dtype=torch.bfloat16)
+    tr, suh, svh = make_codes(4096, 14080, 4, 1, dev, seed=99)[0]
+    m.trellis.copy_(tr); m.suh.copy_(suh); m.svh.copy_(svh); m.bias.data.normal_()
+    w = reconstruct(m.trellis, m.suh, m.svh, cb, dtype=torch.float64)[:4000, :14000]
+    for rows in (1, 3, 37):
+        x = torch.randn(2, rows, 4000, device=dev, dtype=torch.bfloat16)
+        ref = x.double() @ w + m.bias.double()
+        e = rel(m(x), ref)
+        results["checks"].append({"module": "Exl3Linear 4000x14000 K4 bias", "rows": rows, "rel": e,
+                                  "ok": e < 1e-2})
+        print(f"Exl3Linear rows=2x{rows}: rel {e:.2e} (bf16 output)", flush=True)
+    del m, w
+
+    gemv_cfg = kl.DEFAULT_GEMV
+    if args.tune:
+        in_p, out_p = SHAPES[0]
+        codes = make_codes(in_p, out_p, 4, args.copies, dev)
+        xs = torch.randn(1, in_p, device=dev)
+        best = None
+        for nt, nw, tp, ns in [(8, 1, 4224, 3), (8, 1, 8448, 3), (4, 1, 8448, 3), (8, 1, 2112, 3),
+                               (16, 1, 4224, 3), (8, 1, 4224, 1)]:
+            cfg = kl.GemvConfig(nt=nt, num_warps=nw, target_programs=tp, num_stages=ns)
+            t0 = time.time()
+            us = time_graphs([lambda c=c, cfg=cfg: kl.gemv_rotated(xs, c[0], cb, cfg) for c in codes], args.iters)
+            results["tune"].append({"nt": nt, "num_warps": nw, "target_programs": tp, "num_stages": ns, "us": us,
+                                    "compile_s": time.time() - t0})
+            print(f"tune nt={nt} warps={nw} progs={tp} stages={ns}: {us:.1f} us", flush=True)
+            if best is None or us < best[0]:
+                best = (us, cfg)
+        gemv_cfg = best[1]
+        results["gemv_cfg"] = vars(gemv_cfg) if hasattr(gemv_cfg, "__dict__") else str(gemv_cfg)
+        del codes
+
+    for in_p, out_p in shapes:
+        xs_bf = {r: torch.randn(r, in_p, device=dev, dtype=torch.bfloat16) for r in rows_list}
+        dense = [torch.randn(in_p, out_p, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(args.copies)]
+        bf16 = {}
+        for r in rows_list:
+            bf16[r] = time_graphs([lambda w=w, r=r: torch.matmul(xs_bf[r], w) for w in dense], args.iters)
+        del dense
+        torch.cuda.empty_cache()
+        for bits in bits_list:
+            codes = make_codes(in_p, out_p, bits, args.copies, dev, seed=bits)
+            t0 = time.time()
+            chk = check(codes[0], cb, bits, dev)
+            chk.update({"in": in_p, "out": out_p, "K": bits, "check_s": time.time() - t0})
+            results["checks"].append(chk)
+            print(f"check {in_p}x{out_p} K={bits}: {'OK' if chk['ok'] else 'FAIL'} "
+                  f"{ {k: v for k, v in chk.items() if k.startswith('rel')} }", flush=True)
+            x1 = torch.randn(1, in_p, device=dev)
+            us = time_graphs([lambda c=c: kl.gemv_rotated(x1, c[0], cb, gemv_cfg) for c in codes], args.iters)
+            nweights = in_p * out_p
+            results["gemv_kernel"].append({"in": in_p, "out": out_p, "K": bits, "us": us,
+                                           "tweights_per_s": nweights / us / 1e6,
+                                           "trellis_GBps": nweights * bits / 8 / us / 1e3})
+            for r in rows_list:
+                x = xs_bf[r]
+                us = time_graphs([lambda c=c: kl.exl3_linear(x, c[0], c[1], c[2], cb, gemv_cfg=gemv_cfg if r == 1 else None)
+                                  for c in codes], args.iters)
+                row = {"in": in_p, "out": out_p, "K": bits, "rows": r, "us": us, "bf16_us": bf16[r],
+                       "path": "gemv" if r <= kl.GEMV_DISPATCH_ROWS else "decode+matmul",
+                       "exllamav3_us": ANCHORS.get((in_p, out_p, bits, r))}
+                if r in (4, 16):  # the other path, for the dispatch threshold
+                    other = 0 if r <= kl.GEMV_DISPATCH_ROWS else 16
+                    row["gemv_us" if other else "decode_matmul_us"] = time_graphs(
+                        [lambda c=c: kl.exl3_linear(x, c[0], c[1], c[2], cb, gemv_max_rows=other) for c in codes],
+                        args.iters)
+                results["rows"].append(row)
+                print(f"{in_p}x{out_p} K={bits} rows={r}: {us:.1f} us (bf16 {bf16[r]:.1f})", flush=True)
+            del codes
+            torch.cuda.empty_cache()
+
+    write_json(args.out, results)
+    print("\n| layer | K | rows | exl3rt µs | bf16 µs | exl3rt/bf16 | exllamav3 1.6.5 µs |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results["rows"]:
+        anc = f"{r['exllamav3_us']:.1f}" if r["exllamav3_us"] else ""
+        extra = f" (d+mm {r['decode_matmul_us']:.1f})" if "decode_matmul_us" in r else \
+            f" (gemv {r['gemv_us']:.1f})" if "gemv_us" in r else ""
+        print(f"| {r['in']}×{r['out']} | {r['K']} | {r['rows']} | {r['us']:.1f}{extra} | {r['bf16_us']:.1f} | "
+              f"{r['us'] / r['bf16_us']:.2f} | {anc} |")
+    print("\nGEMV kernel alone, rows=1:")
+    for g in results["gemv_kernel"]:
+        print(f"  {g['in']}x{g['out']} K={g['K']}: {g['us']:.1f} us, {g['tweights_per_s']:.2f} T weights/s, "
+              f"{g['trellis_GBps']:.0f} GB/s")
+    bad = [c for c in results["checks"] if not c["ok"]]
+    print("checks:", "ALL OK" if not bad else f"{len(bad)} FAILED")
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Triton EXL3 linear kernels (``exl3rt.kernels``) against ``format.reconstruct`` / ``format.decode``.
+
+Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set by conftest
+before triton is imported): tiny shapes and small launch blocks keep this file near 30 s on 2
+cores. On a GPU the same tests run the compiled kernels (with the inline-PTX decode).
+On the H200 the real-shape checks are in ``benchmarks/bench_linear.py`` (correctness per shape).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+_ON_GPU = torch.cuda.is_available()
+if not _ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from exl3rt.format.bits import words16_per_tile  # noqa: E402
+from exl3rt.format.reconstruct import decode, reconstruct  # noqa: E402
+from exl3rt.kernels import linear as kl  # noqa: E402
+
+if not _ON_GPU and not kl.interpreting():
+    pytest.skip("no GPU, and exl3rt.kernels was imported before TRITON_INTERPRET=1 could be set",
+                allow_module_level=True)
+
+DEV = "cuda" if _ON_GPU else "cpu"
+# small launch blocks: one or two programs per call in the interpreter
+GEMV = kl.GemvConfig(nt=16, num_warps=1, target_programs=2)
+DEC = kl.DecodeConfig(nt=8, num_warps=1, k_per=2)
+
+
+def _codes(in_p: int, out_p: int, bits, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    tr = torch.randint(-32768, 32768, (in_p // 16, out_p // 16, words16_per_tile(bits)), dtype=torch.int16,
+                       generator=g)
+    suh = (torch.rand(in_p, generator=g) + 0.5) * torch.where(torch.rand(in_p, generator=g) < 0.5, -1.0, 1.0)
+    svh = (torch.rand(out_p, generator=g) + 0.5) * torch.where(torch.rand(out_p, generator=g) < 0.5, -1.0, 1.0)
+    return tr.to(DEV), suh.half().to(DEV), svh.half().to(DEV)
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    y = y.double().cpu()
+    assert torch.isfinite(y).all()
+    return float((y - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("codebook,bits", [("mcg", k) for k in (1, 2, 3, 4, 5, 6, 7, 8)]
+                         + [("3inst", 3), ("3inst", 8), ("mul1", 2), ("mul1", 5)]
+                         + [("mul1", 1.5), ("mul1", 2.5), ("mul1", 3.5)])
+def test_decode_fp16_bit_exact(codebook, bits):
+    tr, _, _ = _codes(32, 128, bits, seed=int(bits * 10))
+    q = kl.decode_fp16(tr, codebook, DEC)
+    assert torch.equal(q.cpu(), decode(tr.cpu(), bits, codebook))
+
+
+@pytest.mark.parametrize("codebook,bits,shape,rows", [
+    ("mcg", 4, (128, 256), 1),
+    ("mcg", 1, (256, 128), 3),
+    ("mcg", 2, (128, 256), 16),
+    ("mcg", 8, (128, 128), 5),
+    ("3inst", 3, (256, 128), 1),
+    ("3inst", 6, (128, 256), 3),
+    ("mul1", 4, (128, 128), 7),
+    ("mul1", 2.5, (128, 256), 2),
+])
+def test_gemv_matches_reconstruct(codebook, bits, shape, rows):
+    in_p, out_p = shape
+    tr, suh, svh = _codes(in_p, out_p, bits, seed=rows * 100 + int(bits * 10))
+    x = torch.randn(rows, in_p, generator=torch.Generator().manual_seed(rows))
+    ref = x.double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), codebook, dtype=torch.float64)
+    y = kl.exl3_linear(x.to(DEV), tr, suh, svh, codebook, bits, gemv_cfg=GEMV, gemv_max_rows=16)
+    assert y.shape == (rows, out_p) and y.dtype == torch.float32
+    assert _rel(y, ref) < 1e-5
+
+
+def test_gemv_half_precision_io():
+    tr, suh, svh = _codes(128, 128, 4, seed=5)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(9))
+    ref = x.half().double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), "mcg", dtype=torch.float64)
+    for dt in (torch.float16, torch.bfloat16):
+        y = kl.exl3_linear(x.half().to(dt).to(DEV), tr, suh, svh, "mcg", gemv_cfg=GEMV)
+        assert y.dtype == dt
+        assert _rel(y, ref) < (2e-3 if dt == torch.float16 else 1e-2)
+
+
+def test_gemv_split_k_and_row_blocks():
+    """Several K-splits and n-blocks (partials summed by the post-pass) give the same result."""
+    tr, suh, svh = _codes(256, 256, 3, seed=11)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3))
+    ref = x.double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), "mcg", dtype=torch.float64)
+    y = kl.exl3_linear(x.to(DEV), tr, suh, svh, "mcg", gemv_cfg=kl.GemvConfig(nt=8, num_warps=1, target_programs=8))
+    assert _rel(y, ref) < 1e-5
+
+
+def test_gemm_path_decode_then_matmul():
+    tr, suh, svh = _codes(128, 256, 4, seed=21)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4))
+    ref = x.double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), "mcg", dtype=torch.float64)
+    y = kl.exl3_linear(x.to(DEV), tr, suh, svh, "mcg", gemv_max_rows=2, decode_cfg=DEC)
+    assert _rel(y, ref) < 2e-3  # x' rounded to fp16 for the fp16 matmul
+
+
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_hadamard_passes(rows):
+    """The fused butterfly pre/post passes equal (x ⊙ s)·H and (Σ z)·H ⊙ s in float64."""
+    from exl3rt.format.hadamard import hadamard_blocks
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256, generator=g)
+    s = torch.randn(256, generator=g).half()
+    out = torch.empty(rows, 256, device=DEV)
+    kl._had(x.to(DEV), s.to(DEV), out, pre=True)
+    assert _rel(out, hadamard_blocks(x.double() * s.double(), dim=1)) < 1e-6
+    z = torch.randn(3, rows, 256, generator=g)
+    kl._had(z.to(DEV), s.to(DEV), out, pre=False, splits=3, stride_split=rows * 256)
+    assert _rel(out, hadamard_blocks(z.double().sum(0), dim=1) * s.double()) < 1e-6
+
+
+def test_gemv_splits():
+    assert kl.gemv_splits(256, 28, 528) == (19, 14)
+    assert kl.gemv_splits(8, 1, 0) == (1, 8)
+    for in_tiles, nb, tgt in [(1, 5, 100), (300, 7, 528), (17, 1, 4)]:
+        s, k = kl.gemv_splits(in_tiles, nb, tgt)
+        assert (s - 1) * k < in_tiles <= s * k
+
+
+def test_rejects_bad_shapes():
+    tr, suh, svh = _codes(128, 128, 2, seed=1)
+    with pytest.raises(Exception):
+        kl.exl3_linear(torch.randn(1, 64, device=DEV), tr, suh, svh, "mcg")
+    with pytest.raises(Exception):
+        kl.exl3_linear(torch.randn(1, 128, device=DEV), tr, suh, svh, "mcg", bits=3)
