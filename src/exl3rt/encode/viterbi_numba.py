@@ -614,15 +614,8 @@ def encode_tiles(targets, bits: Bits, codebook: str, *, num_threads: Optional[in
     return states16, values
 
 
-def encode_tiles_custom(targets, shifts: Sequence[int], table, L: int, *, kind: Optional[str] = None,
-                        num_threads: Optional[int] = None, return_info: bool = False):
-    """The same encoder on a generic trellis: state width ``L``, ``N = len(shifts)`` positions
-    with per-position shifts, codebook ``table`` (``2^L`` values). ``kind`` forces kernel
-    ``"A"`` or ``"B"`` for every step (default: chosen per step).
-
-    Returns numpy ``(states int64 [T, N], values float32 [T, N])`` and, with ``return_info``, a
-    dict of ``cost1`` (pass-1 minimum), ``estar`` (junction overlap) and ``cost2`` (pass-2 cost).
-    """
+def _custom_setup(targets, shifts: Sequence[int], table, L: int, kind: Optional[str]):
+    """Checked inputs of the generic-trellis entry points: (targets, shifts, table, kernel plan)."""
     w, _ = _to_numpy_f32(targets)
     shifts_a = np.asarray([int(d) for d in shifts], dtype=np.int64)
     N = shifts_a.shape[0]
@@ -637,6 +630,19 @@ def encode_tiles_custom(targets, shifts: Sequence[int], table, L: int, *, kind: 
     if kind is not None and kind not in ("A", "B"):
         raise ValueError("kind must be None, 'A' or 'B'")
     plan = kernel_plan(L, shifts_a, kind)
+    return w, shifts_a, tab, plan
+
+
+def encode_tiles_custom(targets, shifts: Sequence[int], table, L: int, *, kind: Optional[str] = None,
+                        num_threads: Optional[int] = None, return_info: bool = False):
+    """The same encoder on a generic trellis: state width ``L``, ``N = len(shifts)`` positions
+    with per-position shifts, codebook ``table`` (``2^L`` values). ``kind`` forces kernel
+    ``"A"`` or ``"B"`` for every step (default: chosen per step).
+
+    Returns numpy ``(states int64 [T, N], values float32 [T, N])`` and, with ``return_info``, a
+    dict of ``cost1`` (pass-1 minimum), ``estar`` (junction overlap) and ``cost2`` (pass-2 cost).
+    """
+    w, shifts_a, tab, plan = _custom_setup(targets, shifts, table, L, kind)
     states, values, info = _run(w, shifts_a, tab, L, plan, _tables(tab, L, plan), num_threads)
     if return_info:
         return states, values, {
@@ -669,20 +675,7 @@ def open_costs(targets, bits: Bits, codebook: str, *, num_threads: Optional[int]
 def open_costs_custom(targets, shifts: Sequence[int], table, L: int, *, kind: Optional[str] = None,
                       num_threads: Optional[int] = None) -> np.ndarray:
     """:func:`open_costs` on a generic trellis (arguments as :func:`encode_tiles_custom`)."""
-    w, _ = _to_numpy_f32(targets)
-    shifts_a = np.asarray([int(d) for d in shifts], dtype=np.int64)
-    N = shifts_a.shape[0]
-    if w.ndim != 2 or w.shape[1] != N or N < 2:
-        raise ValueError(f"targets must be [T, {N}] with N >= 2, got {tuple(w.shape)}")
-    if shifts_a.min() < 1 or (shifts_a + np.roll(shifts_a, -1)).max() > L:
-        raise ValueError("need shifts >= 1 and shifts[i] + shifts[i+1] <= L")
-    tab, _ = _to_numpy_f32(table)
-    tab = tab.reshape(-1)
-    if tab.shape[0] != 1 << L:
-        raise ValueError(f"table must hold 2^L = {1 << L} values")
-    if kind is not None and kind not in ("A", "B"):
-        raise ValueError("kind must be None, 'A' or 'B'")
-    plan = kernel_plan(L, shifts_a, kind)
+    w, shifts_a, tab, plan = _custom_setup(targets, shifts, table, L, kind)
     return _run_costs(w, shifts_a, L, plan, _tables(tab, L, plan), num_threads)
 
 

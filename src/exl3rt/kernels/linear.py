@@ -170,17 +170,21 @@ def gemv_splits(in_tiles: int, n_blocks: int, target_programs: int) -> tuple[int
     return math.ceil(in_tiles / k_per), k_per
 
 
+def _geometry(trellis: torch.Tensor, codebook: str, nt_max: int):
+    """(k-tiles, n-tiles, n-tiles per program (a divisor of n-tiles), kernel K args, codebook args)."""
+    in_tiles, tn = int(trellis.shape[0]), int(trellis.shape[1])
+    nt = min(nt_max, tn)
+    while tn % nt:
+        nt //= 2
+    return in_tiles, tn, nt, _kernel_bits(bits_from_trellis(trellis)), _cb_args(codebook)
+
+
 def gemv_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str,
                  cfg: Optional[GemvConfig] = None) -> torch.Tensor:
     """Split-K partials ``z[s] = x'·Q`` (fp32 ``[splits, rows, out_p]``) for fp32 ``xh`` [rows, in_p]."""
     rows, in_p = xh.shape
     cfg = cfg or default_gemv_config(rows)
-    in_tiles, tn = trellis.shape[0], trellis.shape[1]
-    ka, half = _kernel_bits(bits_from_trellis(trellis))
-    cb, mult, add = _cb_args(codebook)
-    nt = min(cfg.nt, tn)
-    while tn % nt:
-        nt //= 2
+    in_tiles, tn, nt, (ka, half), (cb, mult, add) = _geometry(trellis, codebook, cfg.nt)
     n_blocks = tn // nt
     bm = min(GEMV_MAX_ROWS, _next_pow2(rows))
     splits, k_per = gemv_splits(in_tiles, n_blocks, cfg.target_programs)
@@ -196,12 +200,7 @@ def gemv_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str,
 def decode_fp16(trellis: torch.Tensor, codebook: str, cfg: DecodeConfig = DEFAULT_DECODE,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Q = ``format.reconstruct.decode(trellis, K, codebook)`` (fp16 ``[in_p, out_p]``, bit-exact) by Triton."""
-    in_tiles, tn = trellis.shape[0], trellis.shape[1]
-    ka, half = _kernel_bits(bits_from_trellis(trellis))
-    cb, mult, add = _cb_args(codebook)
-    nt = min(cfg.nt, tn)
-    while tn % nt:
-        nt //= 2
+    in_tiles, tn, nt, (ka, half), (cb, mult, add) = _geometry(trellis, codebook, cfg.nt)
     k_per = max(1, min(cfg.k_per, in_tiles))
     if out is None:
         out = torch.empty((in_tiles * 16, tn * 16), dtype=torch.float16, device=trellis.device)
