@@ -14,8 +14,8 @@ Forward paths:
 - **CPU (reference path)**: ``W = format.reconstruct(...)`` trimmed to ``[in, out]``, cast to the
   activation dtype, then ``x @ W``. Trimming W equals zero-padding x to ``in_p`` and trimming y.
 - **CUDA**: :meth:`Exl3Linear._kernel_forward` receives ``x`` zero-padded to ``in_p`` (2-D
-  ``[rows, in_p]``) and returns ``[rows, out_p]``; the caller trims to ``out_features``. Until the
-  Triton kernels exist it dequantizes and multiplies; they plug in there and nowhere else.
+  ``[rows, in_p]``) and returns ``[rows, out_p]``; the caller trims to ``out_features``. It runs
+  the Triton kernels (``exl3rt.kernels.exl3_linear``); without Triton it dequantizes and multiplies.
 
 Dequantized-weight cache: decoding the trellis costs far more than the matmul, so re-decoding on
 every call makes generation unusably slow on CPU. The module therefore keeps the decoded weight
