@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -23,6 +23,9 @@ from ..convert.run import module_seed
 from ..format.bits import Bits
 from ..format.encoded import EncodedLinear
 from .config import Exl3Config
+
+if TYPE_CHECKING:  # the cache module is imported on first use (it pulls in blake3 and filelock)
+    from ..cache import EncodingCache
 
 log = logging.getLogger("exl3rt.runtime")
 
@@ -50,7 +53,7 @@ class OnlineStats:
         return out
 
 
-def make_cache(config: Exl3Config):
+def make_cache(config: Exl3Config) -> "EncodingCache":
     """The :class:`~exl3rt.cache.EncodingCache` the config asks for (root/mode None: the environment)."""
     from ..cache import EncodingCache
 
@@ -60,7 +63,7 @@ def make_cache(config: Exl3Config):
 class OnlineEncoder:
     """Encodes (or reads from ``cache``) the matrices of one model under ``config``; keeps :class:`OnlineStats`."""
 
-    def __init__(self, config: Exl3Config, cache: Any = None):
+    def __init__(self, config: Exl3Config, cache: Optional["EncodingCache"] = None):
         self.config = config
         self.cache = cache if cache is not None else make_cache(config)
         self.stats = OnlineStats()
@@ -80,12 +83,8 @@ class OnlineEncoder:
             raise ValueError(f"{name}: expected a 2-D [out, in] weight, got shape {tuple(weight_hf.shape)}")
         device = torch.device(device) if device is not None else weight_hf.device
         seed = module_seed(name, cfg.seed)
-        key_fn = getattr(self.cache, "key_for_weight", None)
-        if key_fn is None:
-            from ..cache import CacheKey
-            key_fn = CacheKey.for_weight
-        key = key_fn(weight_hf, bits=bits, codebook=cfg.codebook, seed=seed, hessian=None, tp_size=1, tp_rank=0,
-                     tp_bounds=None, out_scales=True)
+        key = self.cache.key_for_weight(weight_hf, bits=bits, codebook=cfg.codebook, seed=seed, hessian=None,
+                                        tp_size=1, tp_rank=0, tp_bounds=None, out_scales=True)
 
         def encode_fn() -> EncodedLinear:
             from ..encode import quantize as _quantize  # looked up per call (tests patch quantize_weight)
@@ -115,13 +114,9 @@ class OnlineEncoder:
 
     def summary(self) -> dict[str, Any]:
         out = self.stats.as_dict()
-        cache_stats = getattr(self.cache, "stats", None)
-        if cache_stats is not None and hasattr(cache_stats, "as_dict"):
-            out["cache"] = cache_stats.as_dict()
-        root = getattr(self.cache, "root", None)
-        out["cache_root"] = None if root is None else str(root)
-        mode = getattr(self.cache, "mode", None)
-        out["cache_mode"] = None if mode is None else str(mode)
+        out["cache"] = self.cache.stats.as_dict()
+        out["cache_root"] = str(self.cache.root)
+        out["cache_mode"] = str(self.cache.mode)
         return out
 
 
