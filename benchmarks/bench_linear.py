@@ -4,12 +4,13 @@
 
 Per (layer in×out, K): ``--copies`` (default 8) independent random weight copies, rotated call by
 call so that no copy is served from the 60 MB L2; each timed call is a CUDA-graph replay of one
-whole ``exl3_linear`` (input rotation, GEMV or decode+matmul, output rotation), bracketed by CUDA
-events; the median over ``--iters`` calls is reported. ``torch.matmul`` in bf16 on the same
-number of dense copies is timed the same way in the same run. Before timing, every (shape, K)
-is checked against ``format.reconstruct`` in float64 (fp32 inputs; GEMV rows 1/4/16 and the GEMM
-path at 64 rows) and the Triton decode against ``format.decode`` bit for bit. Also times the GEMV
-kernel alone (``gemv_rotated``) at rows = 1 and reports decoded weights/s and trellis GB/s.
+whole ``exl3_linear`` (input rotation, the path ``choose_path`` picks — FFMA GEMV, mma GEMV or
+decode + cuBLAS — output rotation), bracketed by CUDA events; the median over ``--iters`` calls
+is reported, with the other paths at rows 4/16/64 for the dispatch thresholds. ``torch.matmul``
+in bf16 on the same number of dense copies is timed the same way in the same run. Before timing,
+every (shape, K) is checked against ``format.reconstruct`` in float64 (fp32 inputs, rows 1/4/16/64)
+and the Triton decode against ``format.decode`` bit for bit. Also times the kernels alone (GEMV
+at rows 1, mma at rows 16) and reports decoded weights/s.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ def rel(y, ref):
     return float((y.double() - ref).norm() / ref.norm())
 
 
+TOL = {"gemv": 1e-5, "mma": 1e-3, "decode_mm": 3e-3}  # fp32 x' (GEMV) vs x' rounded to fp16
+
+
 def check(codes, codebook, bits, dev):
     tr, suh, svh = codes
     res = {}
@@ -91,19 +95,15 @@ def check(codes, codebook, bits, dev):
     res["decode_exact"] = bool(torch.equal(q, decode(tr, bits, codebook)))
     del q
     w = reconstruct(tr, suh, svh, codebook, dtype=torch.float64)
+    ok = res["decode_exact"]
     for rows in (1, 4, 16, 64):
         x = torch.randn(rows, tr.shape[0] * 16, device=dev)
         y = kl.exl3_linear(x, tr, suh, svh, codebook)
-        res[f"rel_rows{rows}"] = rel(y, x.double() @ w)
-        res[f"finite_rows{rows}"] = bool(torch.isfinite(y).all())
-    x = torch.randn(16, tr.shape[0] * 16, device=dev)  # the GEMV kernel's largest row block, forced
-    y = kl.exl3_linear(x, tr, suh, svh, codebook, gemv_max_rows=16)
-    res["rel_gemv_rows16"] = rel(y, x.double() @ w)
+        path = kl.choose_path(rows)
+        res[f"rel_rows{rows}_{path}"] = e = rel(y, x.double() @ w)
+        ok = ok and bool(torch.isfinite(y).all()) and e < TOL[path]
     del w
-    # GEMV (fp32 x'): ~3e-7; decode+matmul (x' rounded to fp16 for the fp16 matmul): ~2e-4
-    tol = {r: 1e-5 if r <= kl.GEMV_DISPATCH_ROWS else 3e-3 for r in (1, 4, 16, 64)}
-    res["ok"] = res["decode_exact"] and res["rel_gemv_rows16"] < 1e-5 and all(
-        res[f"rel_rows{r}"] < tol[r] and res[f"finite_rows{r}"] for r in (1, 4, 16, 64))
+    res["ok"] = ok
     return res
 
 
@@ -113,7 +113,6 @@ def main(argv=None):
     ap.add_argument("--codebook", default="mcg")
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--tune", action="store_true", help="time GEMV configs at rows=1 and use the best")
     ap.add_argument("--out", default="benchmarks/results/linear_cuda.json")
     args = ap.parse_args(argv)
     dev = "cuda"
@@ -125,14 +124,14 @@ def main(argv=None):
     props = torch.cuda.get_device_properties(0)
     results = {"commit": commit(), "device": props.name, "sms": props.multi_processor_count,
                "torch": torch.__version__, "codebook": cb, "copies": args.copies, "iters": args.iters,
-               "checks": [], "gemv_kernel": [], "tune": [], "rows": []}
+               "checks": [], "gemv_kernel": [], "rows": []}
     import triton
     results["triton"] = triton.__version__
 
     # Exl3Linear on CUDA dispatches to these kernels: check it end to end (padding, trim, bias) once
     from exl3rt.runtime.linear import Exl3Linear
     t0 = time.time()
-    n_pre = kl.prewarm([(4096, 14336, 4, cb)], rows=(1, 4, 64), dtype=torch.bfloat16)
+    n_pre = kl.prewarm([(4096, 14336, 4, cb)], dtype=torch.bfloat16)
     results["prewarm"] = {"launches": n_pre, "s": time.time() - t0}
     m = Exl3Linear(4000, 14000, 4, cb, bias=True, device=dev, dtype=torch.bfloat16)
     tr, suh, svh = make_codes(4096, 14080, 4, 1, dev, seed=99)[0]
@@ -146,26 +145,6 @@ def main(argv=None):
                                   "ok": e < 1e-2})
         print(f"Exl3Linear rows=2x{rows}: rel {e:.2e} (bf16 output)", flush=True)
     del m, w
-
-    gemv_cfg = kl.DEFAULT_GEMV
-    if args.tune:
-        in_p, out_p = SHAPES[0]
-        codes = make_codes(in_p, out_p, 4, args.copies, dev)
-        xs = torch.randn(1, in_p, device=dev)
-        best = None
-        for nt, nw, tp, ns in [(8, 1, 4224, 3), (8, 1, 8448, 3), (4, 1, 8448, 3), (8, 1, 2112, 3),
-                               (16, 1, 4224, 3), (8, 1, 4224, 1)]:
-            cfg = kl.GemvConfig(nt=nt, num_warps=nw, target_programs=tp, num_stages=ns)
-            t0 = time.time()
-            us = time_graphs([lambda c=c, cfg=cfg: kl.gemv_rotated(xs, c[0], cb, cfg) for c in codes], args.iters)
-            results["tune"].append({"nt": nt, "num_warps": nw, "target_programs": tp, "num_stages": ns, "us": us,
-                                    "compile_s": time.time() - t0})
-            print(f"tune nt={nt} warps={nw} progs={tp} stages={ns}: {us:.1f} us", flush=True)
-            if best is None or us < best[0]:
-                best = (us, cfg)
-        gemv_cfg = best[1]
-        results["gemv_cfg"] = vars(gemv_cfg) if hasattr(gemv_cfg, "__dict__") else str(gemv_cfg)
-        del codes
 
     for in_p, out_p in shapes:
         xs_bf = {r: torch.randn(r, in_p, device=dev, dtype=torch.bfloat16) for r in rows_list}
@@ -184,41 +163,44 @@ def main(argv=None):
             print(f"check {in_p}x{out_p} K={bits}: {'OK' if chk['ok'] else 'FAIL'} "
                   f"{ {k: v for k, v in chk.items() if k.startswith('rel')} }", flush=True)
             x1 = torch.randn(1, in_p, device=dev)
-            us = time_graphs([lambda c=c: kl.gemv_rotated(x1, c[0], cb, gemv_cfg) for c in codes], args.iters)
+            us = time_graphs([lambda c=c: kl.gemv_rotated(x1, c[0], cb) for c in codes], args.iters)
+            x16 = torch.randn(16, in_p, device=dev, dtype=torch.float16)
+            us16 = time_graphs([lambda c=c: kl.mma_rotated(x16, c[0], cb) for c in codes], args.iters)
             nweights = in_p * out_p
             results["gemv_kernel"].append({"in": in_p, "out": out_p, "K": bits, "us": us,
                                            "tweights_per_s": nweights / us / 1e6,
-                                           "trellis_GBps": nweights * bits / 8 / us / 1e3})
+                                           "trellis_GBps": nweights * bits / 8 / us / 1e3,
+                                           "mma16_us": us16, "mma16_tweights_per_s": nweights / us16 / 1e6})
             for r in rows_list:
                 x = xs_bf[r]
-                us = time_graphs([lambda c=c: kl.exl3_linear(x, c[0], c[1], c[2], cb, gemv_cfg=gemv_cfg if r == 1 else None)
-                                  for c in codes], args.iters)
+                us = time_graphs([lambda c=c: kl.exl3_linear(x, c[0], c[1], c[2], cb) for c in codes], args.iters)
                 row = {"in": in_p, "out": out_p, "K": bits, "rows": r, "us": us, "bf16_us": bf16[r],
-                       "path": "gemv" if r <= kl.GEMV_DISPATCH_ROWS else "decode+matmul",
-                       "exllamav3_us": ANCHORS.get((in_p, out_p, bits, r))}
-                if r in (4, 16):  # the other path, for the dispatch threshold
-                    other = 0 if r <= kl.GEMV_DISPATCH_ROWS else 16
-                    row["gemv_us" if other else "decode_matmul_us"] = time_graphs(
-                        [lambda c=c: kl.exl3_linear(x, c[0], c[1], c[2], cb, gemv_max_rows=other) for c in codes],
+                       "path": kl.choose_path(r), "exllamav3_us": ANCHORS.get((in_p, out_p, bits, r))}
+                others = {4: ("gemv", "decode_mm"), 16: ("decode_mm",), 64: ("mma",)}.get(r, ())
+                for other in others:  # the other paths, for the dispatch thresholds
+                    row[f"{other}_us"] = time_graphs(
+                        [lambda c=c, o=other: kl.exl3_linear(x, c[0], c[1], c[2], cb, path=o) for c in codes],
                         args.iters)
                 results["rows"].append(row)
-                print(f"{in_p}x{out_p} K={bits} rows={r}: {us:.1f} us (bf16 {bf16[r]:.1f})", flush=True)
+                print(f"{in_p}x{out_p} K={bits} rows={r}: {us:.1f} us ({row['path']}; bf16 {bf16[r]:.1f})"
+                      + "".join(f", {o} {row[o + '_us']:.1f}" for o in others), flush=True)
             del codes
             torch.cuda.empty_cache()
 
     write_json(args.out, results)
-    print("\n| layer | K | rows | exl3rt µs | bf16 µs | exl3rt/bf16 | exllamav3 1.6.5 µs |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| layer | K | rows | path | exl3rt µs | bf16 µs | exl3rt/bf16 | other paths µs | exllamav3 1.6.5 µs |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
         anc = f"{r['exllamav3_us']:.1f}" if r["exllamav3_us"] else ""
-        extra = f" (d+mm {r['decode_matmul_us']:.1f})" if "decode_matmul_us" in r else \
-            f" (gemv {r['gemv_us']:.1f})" if "gemv_us" in r else ""
-        print(f"| {r['in']}×{r['out']} | {r['K']} | {r['rows']} | {r['us']:.1f}{extra} | {r['bf16_us']:.1f} | "
-              f"{r['us'] / r['bf16_us']:.2f} | {anc} |")
-    print("\nGEMV kernel alone, rows=1:")
+        extra = ", ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if k.endswith("_us") and k not in
+                          ("bf16_us", "exllamav3_us"))
+        print(f"| {r['in']}×{r['out']} | {r['K']} | {r['rows']} | {r['path']} | {r['us']:.1f} | {r['bf16_us']:.1f} | "
+              f"{r['us'] / r['bf16_us']:.2f} | {extra} | {anc} |")
+    print("\nKernels alone (no Hadamard passes): GEMV rows=1, mma rows=16:")
     for g in results["gemv_kernel"]:
-        print(f"  {g['in']}x{g['out']} K={g['K']}: {g['us']:.1f} us, {g['tweights_per_s']:.2f} T weights/s, "
-              f"{g['trellis_GBps']:.0f} GB/s")
+        print(f"  {g['in']}x{g['out']} K={g['K']}: GEMV {g['us']:.1f} us ({g['tweights_per_s']:.2f} T weights/s, "
+              f"{g['trellis_GBps']:.0f} GB/s); mma 16 rows {g['mma16_us']:.1f} us "
+              f"({g['mma16_tweights_per_s']:.2f} T weights/s)")
     bad = [c for c in results["checks"] if not c["ok"]]
     print("checks:", "ALL OK" if not bad else f"{len(bad)} FAILED")
     return 0 if not bad else 1

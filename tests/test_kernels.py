@@ -31,6 +31,7 @@ DEV = "cuda" if _ON_GPU else "cpu"
 # small launch blocks: one or two programs per call in the interpreter
 GEMV = kl.GemvConfig(nt=16, num_warps=1, target_programs=2)
 DEC = kl.DecodeConfig(nt=8, num_warps=1, k_per=2)
+MMA = kl.MmaConfig(nt=2, num_warps=2, target_programs=2)
 
 
 def _codes(in_p: int, out_p: int, bits, seed: int):
@@ -72,7 +73,7 @@ def test_gemv_matches_reconstruct(codebook, bits, shape, rows):
     tr, suh, svh = _codes(in_p, out_p, bits, seed=rows * 100 + int(bits * 10))
     x = torch.randn(rows, in_p, generator=torch.Generator().manual_seed(rows))
     ref = x.double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), codebook, dtype=torch.float64)
-    y = kl.exl3_linear(x.to(DEV), tr, suh, svh, codebook, bits, gemv_cfg=GEMV, gemv_max_rows=16)
+    y = kl.exl3_linear(x.to(DEV), tr, suh, svh, codebook, bits, gemv_cfg=GEMV, path="gemv")
     assert y.shape == (rows, out_p) and y.dtype == torch.float32
     assert _rel(y, ref) < 1e-5
 
@@ -82,9 +83,11 @@ def test_gemv_half_precision_io():
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(9))
     ref = x.half().double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), "mcg", dtype=torch.float64)
     for dt in (torch.float16, torch.bfloat16):
-        y = kl.exl3_linear(x.half().to(dt).to(DEV), tr, suh, svh, "mcg", gemv_cfg=GEMV)
-        assert y.dtype == dt
-        assert _rel(y, ref) < (2e-3 if dt == torch.float16 else 1e-2)
+        for path in ("gemv", "mma", "decode_mm"):
+            y = kl.exl3_linear(x.half().to(dt).to(DEV), tr, suh, svh, "mcg", gemv_cfg=GEMV, mma_cfg=MMA,
+                               decode_cfg=DEC, path=path)
+            assert y.dtype == dt
+            assert _rel(y, ref) < (2e-3 if dt == torch.float16 else 1e-2), path
 
 
 def test_gemv_split_k_and_row_blocks():
@@ -92,7 +95,8 @@ def test_gemv_split_k_and_row_blocks():
     tr, suh, svh = _codes(256, 256, 3, seed=11)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3))
     ref = x.double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), "mcg", dtype=torch.float64)
-    y = kl.exl3_linear(x.to(DEV), tr, suh, svh, "mcg", gemv_cfg=kl.GemvConfig(nt=8, num_warps=1, target_programs=8))
+    y = kl.exl3_linear(x.to(DEV), tr, suh, svh, "mcg", gemv_cfg=kl.GemvConfig(nt=8, num_warps=1, target_programs=8),
+                       path="gemv")
     assert _rel(y, ref) < 1e-5
 
 
@@ -100,8 +104,62 @@ def test_gemm_path_decode_then_matmul():
     tr, suh, svh = _codes(128, 256, 4, seed=21)
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4))
     ref = x.double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), "mcg", dtype=torch.float64)
-    y = kl.exl3_linear(x.to(DEV), tr, suh, svh, "mcg", gemv_max_rows=2, decode_cfg=DEC)
+    y = kl.exl3_linear(x.to(DEV), tr, suh, svh, "mcg", path="decode_mm", decode_cfg=DEC)
     assert _rel(y, ref) < 2e-3  # x' rounded to fp16 for the fp16 matmul
+
+
+@pytest.mark.parametrize("codebook,bits,shape,rows,cfg", [
+    ("mcg", 4, (256, 256), 1, (2, 1, 4)),
+    ("mcg", 2, (128, 256), 5, (1, 2, 8)),
+    ("mcg", 3, (128, 128), 16, (2, 2, 2)),
+    ("mcg", 5, (128, 128), 3, (1, 1, 64)),
+    ("mcg", 8, (128, 128), 17, (2, 1, 1)),
+    ("mcg", 1, (128, 256), 2, (1, 4, 4)),
+    ("mcg", 6, (128, 128), 33, (2, 1, 3)),
+    ("3inst", 3, (128, 128), 7, (1, 2, 4)),
+    ("3inst", 7, (128, 128), 2, (2, 1, 2)),
+    ("mul1", 2, (128, 128), 4, (2, 1, 4)),
+    ("mul1", 1.5, (128, 128), 9, (1, 2, 2)),
+    ("mul1", 2.5, (256, 128), 1, (2, 2, 1)),
+    ("mul1", 3.5, (128, 128), 6, (1, 1, 8)),
+])
+def test_mma_matches_reconstruct(codebook, bits, shape, rows, cfg):
+    """The warp-level mma GEMV (interpreter: its per-lane decode feeds an emulation of the mma;
+    GPU: inline PTX) equals x·W in float64 up to x' rounded to fp16; several splits, warps, n-blocks
+    and 16-row blocks."""
+    in_p, out_p = shape
+    tr, suh, svh = _codes(in_p, out_p, bits, seed=rows * 7 + int(bits * 10))
+    x = torch.randn(rows, in_p, generator=torch.Generator().manual_seed(rows))
+    ref = x.double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), codebook, dtype=torch.float64)
+    nt, nw, tp = cfg
+    y = kl.exl3_linear(x.to(DEV), tr, suh, svh, codebook, path="mma",
+                       mma_cfg=kl.MmaConfig(nt=nt, num_warps=nw, target_programs=tp))
+    assert y.shape == (rows, out_p)
+    assert _rel(y, ref) < 1e-3
+
+
+def test_mma_words_per_lane():
+    """NWL covers every lane's 8 windows (7·KA + 4·HALF + 16 bits at the lane's alignment), brute force."""
+    from exl3rt.kernels.mma import words_per_lane
+    for bits in (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8):
+        ka, half = int(bits), 0 if float(bits).is_integer() else 1
+        need = 0
+        for lane in range(32):
+            bits_used = set()
+            for p in range(8):
+                t = 8 * lane + p
+                end = (t + 1) * ka + half * ((t + 1) // 2)
+                bits_used.update(range(end - 16, end))
+            need = max(need, max(bits_used) // 32 - min(bits_used) // 32 + 1)
+        assert words_per_lane(bits) == need, bits
+    assert words_per_lane(4) == 2 and words_per_lane(8) == 3
+
+
+def test_dispatch_and_prewarm_buckets():
+    assert [kl.choose_path(r) for r in (1, 2, 16, 17, 2048)] == ["gemv", "mma", "mma", "decode_mm", "decode_mm"]
+    assert len({kl.specialization(r) for r in kl.PREWARM_ROWS}) == len(kl.PREWARM_ROWS)
+    # every row count maps to a bucket that PREWARM_ROWS covers
+    assert {kl.specialization(r) for r in range(1, 300)} <= {kl.specialization(r) for r in kl.PREWARM_ROWS}
 
 
 @pytest.mark.parametrize("rows", [1, 3, 20])

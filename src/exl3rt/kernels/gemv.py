@@ -39,16 +39,6 @@ On the GPU (``ASM=True``) the fp16 half-sum / mul1 dp4a+fma use ``tl.inline_asm_
 
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover
-    triton = None
-    tl = None
-    HAVE_TRITON = False
-
 from ..format.codebooks import INST3_ADDEND, INST3_MULTIPLIER, MCG_MULTIPLIER, MUL1_MULTIPLIER
 
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
@@ -56,6 +46,8 @@ CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 CB_AFFINE = {0: (INST3_MULTIPLIER, INST3_ADDEND), 1: (MCG_MULTIPLIER, 0), 2: (MUL1_MULTIPLIER, 0)}
 MUL1_SCALE = 0.0067672729492187500   # fp16 0x1EEE
 MUL1_BIAS = -10.3828125              # fp16 0xC931
+
+from ._triton import HAVE_TRITON, tl, triton  # noqa: E402
 
 if HAVE_TRITON:
     MUL1_SCALE_C = tl.constexpr(MUL1_SCALE)
@@ -109,7 +101,7 @@ if HAVE_TRITON:
                 v = (lo + hi).to(tl.float16).to(tl.float32)  # exact fp32 sum, one fp16 rounding
         return v
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["rows"])
     def _gemv_kernel(x_ptr, w_ptr, z_ptr, rows, in_tiles, tn_total, k_per, stride_x, stride_zs,
                      KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
                      ADD: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, ASM: tl.constexpr):
@@ -171,15 +163,52 @@ if HAVE_TRITON:
         tl.store(zp, out, mask=mmask[:, None])
 
     @triton.jit
+    def _decode_tile(wrow, base, poff, KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr,
+                     MULT: tl.constexpr, ADD: tl.constexpr, NT: tl.constexpr, ASM: tl.constexpr):
+        """Q's rows of one k-tile for NT n-tiles: fp16 ``[16, NT·16]`` (row r, natural column 16·b + c).
+
+        ``wrow`` points at the k-tile's first word, ``base``/``poff`` ([NT, NG]) are the word offsets of
+        each group and of the word before it. The GP values of each group are joined into a tensor
+        with one axis per bit of u ([NT, G, b0, b1, ...]), permuted to [r, (b, c)] and reshaped:
+        r = 8·b1 + 4·b4 + 2·b3 + b0, c = 8·b2 + (GP/32)·G + b5 (b5: half-integer K only).
+        """
+        GP: tl.constexpr = 32 * (1 + HALF)
+        WG: tl.constexpr = (GP * KA) // 32 + HALF
+        prev = tl.load(wrow + poff).to(tl.uint32, bitcast=True)
+        vs = ()
+        for i in tl.static_range(WG):
+            cur = tl.load(wrow + base + i).to(tl.uint32, bitcast=True)
+            for u in tl.static_range(GP):
+                if (((u + 1) * KA + HALF * ((u + 1) // 2)) - 1) // 32 == i:
+                    st = _extract(prev, cur, (u + 1) * KA + HALF * ((u + 1) // 2) - 32 * i)
+                    vs = vs + (_decode(st, CB, MULT, ADD, ASM).to(tl.float16),)
+            prev = cur
+        t1 = ()
+        for k in tl.static_range(GP // 2):
+            t1 = t1 + (tl.join(vs[2 * k], vs[2 * k + 1]),)                   # new axis: bit0 of u
+        t2 = ()
+        for k in tl.static_range(GP // 4):
+            t2 = t2 + (tl.join(t1[2 * k], t1[2 * k + 1]),)                   # bit1
+        t3 = ()
+        for k in tl.static_range(GP // 8):
+            t3 = t3 + (tl.join(t2[2 * k], t2[2 * k + 1]),)                   # bit2
+        t4 = ()
+        for k in tl.static_range(GP // 16):
+            t4 = t4 + (tl.join(t3[2 * k], t3[2 * k + 1]),)                   # bit3
+        if HALF:
+            t6 = tl.join(tl.join(t4[0], t4[1]), tl.join(t4[2], t4[3]))       # bit4, bit5
+            t = tl.permute(t6, (3, 6, 5, 2, 0, 4, 1, 7))                     # [b1 b4 b3 b0 | b b2 G b5]
+        else:
+            t5 = tl.join(t4[0], t4[1])                                        # bit4
+            t = tl.permute(t5, (3, 6, 5, 2, 0, 4, 1))                        # [b1 b4 b3 b0 | b b2 G]
+        return tl.reshape(t, [16, NT * 16])
+
+    @triton.jit
     def _decode_kernel(w_ptr, q_ptr, in_tiles, tn_total, k_per, KA: tl.constexpr, HALF: tl.constexpr,
                        CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr, NT: tl.constexpr,
                        ASM: tl.constexpr):
-        """Q[16a + r, 16b + c] (fp16, row-major [in_p, out_p]) for NT n-tiles and k_per k-tiles.
-
-        Integer K: the 32 values of each group are joined into a [NT, NG, 2,2,2,2,2] tensor (one
-        axis per bit of u), permuted to [r, (b, c)] order and stored as whole rows (Triton converts
-        the layout for coalesced stores). Half-integer K: one scattered fp16 store per position.
-        """
+        """Q[16a + r, 16b + c] (fp16, row-major [in_p, out_p]) for NT n-tiles and k_per k-tiles:
+        one :func:`_decode_tile` per k-tile, stored as whole rows (coalesced)."""
         GP: tl.constexpr = 32 * (1 + HALF)
         NG: tl.constexpr = 256 // GP
         WG: tl.constexpr = (GP * KA) // 32 + HALF
@@ -191,43 +220,10 @@ if HAVE_TRITON:
         base = b[:, None] * NW + g[None, :] * WG
         poff = b[:, None] * NW + (g[None, :] * WG + (NW - 1)) % NW
         out_p = tn_total * 16
-        col = b[:, None] * 16 + g[None, :] * (GP // 32)                    # column of u = 0
         rr = tl.arange(0, 16)
         nn = pid_n * NT * 16 + tl.arange(0, NT * 16)
         a0 = pid_k * k_per
         a1 = tl.minimum(a0 + k_per, in_tiles)
         for a in range(a0, a1):
-            wrow = w_ptr + a * tn_total * NW
-            qrow = q_ptr + a * 16 * out_p + col  # int32 offsets: in_p·out_p < 2^31
-            prev = tl.load(wrow + poff).to(tl.uint32, bitcast=True)
-            vs = ()
-            for i in tl.static_range(WG):
-                cur = tl.load(wrow + base + i).to(tl.uint32, bitcast=True)
-                for u in tl.static_range(GP):
-                    if (((u + 1) * KA + HALF * ((u + 1) // 2)) - 1) // 32 == i:
-                        st = _extract(prev, cur, (u + 1) * KA + HALF * ((u + 1) // 2) - 32 * i)
-                        v = _decode(st, CB, MULT, ADD, ASM).to(tl.float16)
-                        if HALF:
-                            # row r(u) and column offset (u >> 5) + 8·((u >> 2) & 1) inside the tile
-                            tl.store(qrow + ((2 * (((u % 32) >> 3) & 3) + (u & 1) + 8 * ((u >> 1) & 1)) * out_p
-                                             + (u >> 5) + 8 * ((u >> 2) & 1)), v)
-                        else:
-                            vs = vs + (v,)
-                prev = cur
-            if not HALF:
-                t1 = ()
-                for k in tl.static_range(16):
-                    t1 = t1 + (tl.join(vs[2 * k], vs[2 * k + 1]),)           # new axis: bit0 of u
-                t2 = ()
-                for k in tl.static_range(8):
-                    t2 = t2 + (tl.join(t1[2 * k], t1[2 * k + 1]),)           # bit1
-                t3 = ()
-                for k in tl.static_range(4):
-                    t3 = t3 + (tl.join(t2[2 * k], t2[2 * k + 1]),)           # bit2
-                t4 = (tl.join(t3[0], t3[1]), tl.join(t3[2], t3[3]))          # bit3
-                t5 = tl.join(t4[0], t4[1])                                    # bit4
-                # axes [NT, G, bit0, bit1, bit2, bit3, bit4]; r = 8·bit1 + 4·bit4 + 2·bit3 + bit0,
-                # column = 16·b + 8·bit2 + G
-                t = tl.permute(t5, (3, 6, 5, 2, 0, 4, 1))
-                t = tl.reshape(t, [16, NT * 16])
-                tl.store(q_ptr + (a * 16 + rr)[:, None] * out_p + nn[None, :], t)
+            t = _decode_tile(w_ptr + a * tn_total * NW, base, poff, KA, HALF, CB, MULT, ADD, NT, ASM)
+            tl.store(q_ptr + (a * 16 + rr)[:, None] * out_p + nn[None, :], t)  # int32: in_p·out_p < 2^31

@@ -3,20 +3,20 @@
     y = x·W,   W = diag(suh)·Hk·Q·Hn·diag(svh)          (format.reconstruct)
       = ((x ⊙ suh)·Hk) · Q · Hn ⊙ svh
 
-``exl3_linear(x, trellis, suh, svh, codebook)``:
+``exl3_linear(x, trellis, suh, svh, codebook)`` picks a path by row count (:func:`choose_path`):
 
-1. pre-pass (Triton, one launch): ``x' = (x ⊙ suh)·Hk`` per 128-block, fp32 (GEMV) or fp16 (GEMM);
-2. rows <= ``GEMV_MAX_ROWS``: ``_gemv_kernel`` writes fp32 split-K partials ``z[s] = x'·Q[ks, :]``;
-   more rows: ``_decode_kernel`` writes Q (fp16, exact) once and ``torch.matmul(x', Q)`` (fp16
-   operands, fp32 accumulation in cuBLAS) gives ``z``;
-3. post-pass (Triton, one launch): ``y = (Σ_s z[s])·Hn ⊙ svh`` in the output dtype.
+* ``gemv`` (1 row): pre-pass ``x' = (x ⊙ suh)·Hk`` in fp32, ``gemv._gemv_kernel`` (FFMA,
+  decode on the fly) writes fp32 split-K partials, post-pass ``y = (Σ_s z[s])·Hn ⊙ svh``;
+* ``mma`` (2–16 rows): the same passes around ``mma._mma_kernel`` — each lane decodes its own
+  ``mma.m16n8k16`` B fragment (the EXL3 tile order is that fragment order), x' in fp16, fp32
+  accumulators; the decode costs the same for 1 or 16 rows;
+* ``decode_mm`` (more rows): ``gemv._decode_kernel`` writes Q (fp16, bit-exact) once and cuBLAS
+  computes ``x'·Q`` (fp16 operands, fp32 output), then the post-pass.
 
-The Hadamard products are 7-stage fp32 butterflies in registers (``_fwht128``), so nothing is
-rounded to 16 bits between the GEMV's fp32 accumulators and y.
-
-Half-integer K (mul1) runs the same kernels (the group geometry covers it). Every launch shape is
-a Triton specialization on (K, codebook, BM, NT, num_warps, dtypes); :func:`prewarm` compiles a
-list of layer shapes ahead (e.g. before CUDA-graph capture) and returns how many launches it ran.
+The Hadamard passes (``hadamard.py``) are 7-stage fp32 butterflies in registers, one launch each.
+Half-integer K (mul1) runs the same kernels. Every launch is a Triton specialization on (K,
+codebook, launch configuration, dtypes), never on the row count; :func:`prewarm` compiles a list
+of layer shapes ahead (e.g. before CUDA-graph capture) and returns how many launches it ran.
 """
 
 from __future__ import annotations
@@ -31,18 +31,15 @@ from .. import env
 from ..format.bits import Bits, bits_from_trellis, is_half
 from ..format.codebooks import check_codebook
 from ..format.errors import FormatError
+from . import mma as _mm
 from . import gemv as _g
+from .hadamard import had as _had
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover
-    triton = None
-    tl = None
+from ._triton import triton
 
 GEMV_MAX_ROWS = 16     # the GEMV kernel's largest row block
-GEMV_DISPATCH_ROWS = 4  # exl3_linear uses the GEMV up to this many rows (H200: GEMV 88-125 µs at 4 rows,
-                        # 262-340 µs at 16 rows vs 107-131 µs for decode+matmul)
+GEMV_DISPATCH_ROWS = 1  # exl3_linear uses the FFMA GEMV up to this many rows (H200, 4096x14336: rows 1
+                        # GEMV 33.5 µs vs mma 34.0; rows 4: 65 vs 41)
 
 
 def interpreting() -> bool:
@@ -67,6 +64,19 @@ class DecodeConfig:
     k_per: int = 4
 
 
+@dataclass(frozen=True)
+class MmaConfig:
+    """Launch parameters of the warp-level mma GEMV (``mma._mma_kernel``): ``nt`` n-tiles per warp,
+    ``num_warps`` warps per program, and how many programs to aim for when splitting K."""
+    nt: int = 8
+    num_warps: int = 1
+    target_programs: int = 2112
+    num_stages: int = 1
+
+
+DEFAULT_MMA = MmaConfig()  # best of 8 tried at rows 1/4/16, K 2/4/6, 4096x14336, H200 (tune_linear.py)
+
+
 DEFAULT_GEMV = GemvConfig(nt=4, num_warps=1, target_programs=8448)  # best of 16 tried, 4096x14336 K4, H200
 
 
@@ -80,53 +90,6 @@ def default_gemv_config(rows: int) -> GemvConfig:
         return GemvConfig(nt=8, num_warps=1, target_programs=4224)
     return GemvConfig(nt=16, num_warps=2, target_programs=2112)
 DEFAULT_DECODE = DecodeConfig()
-
-
-if _g.HAVE_TRITON:
-    @triton.jit
-    def _fwht128(x, BR: tl.constexpr):
-        """Unnormalized Sylvester Walsh-Hadamard transform of each row of x [BR, 128] (fp32):
-        7 butterfly stages, stage s pairs (i, i + 2^s) as (a + b, a - b)."""
-        for s in tl.static_range(7):
-            y = tl.reshape(x, [BR, 64 >> s, 2, 1 << s])
-            y = tl.permute(y, (0, 1, 3, 2))
-            a, b = tl.split(y)
-            y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
-            x = tl.reshape(y, [BR, 128])
-        return x
-
-    @triton.jit
-    def _had_kernel(x_ptr, s_ptr, y_ptr, rows, n, splits, stride_split, PRE: tl.constexpr,
-                    BR: tl.constexpr):
-        """One [BR, 128] block: PRE: y = (x ⊙ s)·H; else y = (Σ_split x[split])·H ⊙ s  (H = H128/√128)."""
-        pid_r = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        r = pid_r * BR + tl.arange(0, BR)
-        c = pid_c * 128 + tl.arange(0, 128)
-        rmask = r < rows
-        offs = r[:, None] * n + c[None, :]
-        x = tl.load(x_ptr + offs, mask=rmask[:, None], other=0.0).to(tl.float32)
-        if not PRE:
-            for s in range(1, splits):
-                x += tl.load(x_ptr + s * stride_split + offs, mask=rmask[:, None], other=0.0)
-        scale = tl.load(s_ptr + c).to(tl.float32) * 0.08838834764831845  # 1/sqrt(128)
-        if PRE:
-            x = x * scale[None, :]
-        y = _fwht128(x, BR)
-        if not PRE:
-            y = y * scale[None, :]
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=rmask[:, None])
-
-
-def _had(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, pre: bool, splits: int = 1,
-         stride_split: int = 0) -> torch.Tensor:
-    """pre: out = (x ⊙ scale)·H per 128-block; post: out = (Σ_split x[split])·H ⊙ scale. One launch."""
-    rows, n = out.shape
-    br = min(16, _next_pow2(rows))
-    grid = (triton.cdiv(rows, br), n // 128)
-    _had_kernel[grid](x, scale, out, rows, n, splits, stride_split, PRE=pre, BR=br,
-                      num_warps=1 if br <= 2 else 4)
-    return out
 
 
 def _kernel_bits(bits: Bits) -> tuple[int, int]:
@@ -210,36 +173,82 @@ def decode_fp16(trellis: torch.Tensor, codebook: str, cfg: DecodeConfig = DEFAUL
     return out
 
 
+def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Optional[MmaConfig] = None) -> torch.Tensor:
+    """Split-K partials ``z[s] = x'·Q`` (fp32 ``[splits, rows, out_p]``) for fp16 ``xh`` [rows, in_p],
+    by the warp-level mma kernel (16 rows per program row-block)."""
+    rows, in_p = xh.shape
+    cfg = cfg or DEFAULT_MMA
+    in_tiles, tn, nt, (ka, half), (cb, mult, add) = _geometry(trellis, codebook, cfg.nt * cfg.num_warps)
+    warps = min(cfg.num_warps, nt)
+    n_blocks, m_blocks = tn // nt, triton.cdiv(rows, 16)
+    splits, k_per = gemv_splits(in_tiles, n_blocks * m_blocks, cfg.target_programs)
+    z = torch.empty((splits, rows, tn * 16), dtype=torch.float32, device=xh.device)
+    grid = (n_blocks, splits, m_blocks)
+    _mm._mma_kernel[grid](xh, trellis.view(torch.int32), z, rows, in_tiles, tn, k_per, xh.stride(0), z.stride(0), 1,
+                          KA=ka, HALF=half, CB=cb, MULT=mult, ADD=add, NT=nt // warps, WARPS=warps,
+                          NWL=_mm.words_per_lane(kbits_of(ka, half)), ASM=_use_asm(xh.device), num_warps=warps,
+                          num_stages=cfg.num_stages)
+    return z
+
+
+def kbits_of(ka: int, half: int) -> Bits:
+    return ka + 0.5 if half else ka
+
+
+PATHS = ("auto", "gemv", "mma", "decode_mm")
+MMA_MAX_ROWS = 16  # the mma GEMV decodes once per 16 rows: above this the decode + cuBLAS path wins
+
+
+def choose_path(rows: int, gemv_max_rows: int = GEMV_DISPATCH_ROWS) -> str:
+    """``gemv`` (fp32 FFMA decode-on-the-fly) up to ``gemv_max_rows`` rows, ``mma`` (warp-level
+    tensor-core GEMV) up to :data:`MMA_MAX_ROWS`, else ``decode_mm`` (Q to fp16, then cuBLAS)."""
+    if rows <= min(gemv_max_rows, GEMV_MAX_ROWS):
+        return "gemv"
+    return "mma" if rows <= MMA_MAX_ROWS else "decode_mm"
+
+
 def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
                 codebook: str, bits: Optional[Bits] = None, *, gemv_max_rows: int = GEMV_DISPATCH_ROWS,
-                gemv_cfg: Optional[GemvConfig] = None, decode_cfg: DecodeConfig = DEFAULT_DECODE,
-                out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                path: str = "auto", gemv_cfg: Optional[GemvConfig] = None, mma_cfg: Optional[MmaConfig] = None,
+                decode_cfg: DecodeConfig = DEFAULT_DECODE, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``y = x·W`` for x ``[rows, in_p]`` (padded), W the EXL3 layer; returns ``[rows, out_p]`` in x's dtype.
 
-    ``bits`` is only checked against the trellis shape (K always follows from the shape).
+    ``path``: ``auto`` (:func:`choose_path`), ``gemv``, ``mma`` (any row count, 16 per row block) or
+    ``decode_mm`` (decode Q to fp16 in memory, then cuBLAS). ``bits`` is only checked against the
+    trellis shape (K always follows from the shape).
     """
     in_p, out_p, kbits = _check(trellis, suh, svh)
     if bits is not None and float(bits) != float(kbits):
         raise FormatError(f"bits={bits} does not match the trellis shape (K = {kbits})")
     if x.dim() != 2 or x.shape[1] != in_p:
         raise ValueError(f"x: expected [rows, {in_p}], got {tuple(x.shape)}")
+    if path not in PATHS:
+        raise ValueError(f"path={path!r}: expected one of {PATHS}")
     x = x.contiguous()
     rows = x.shape[0]
     out_dtype = out_dtype or x.dtype
     y = torch.empty((rows, out_p), dtype=out_dtype, device=x.device)
     if rows == 0:
         return y
-    if rows <= min(gemv_max_rows, GEMV_MAX_ROWS):
+    if path == "auto":
+        path = choose_path(rows, gemv_max_rows)
+    if path == "gemv":
+        if rows > GEMV_MAX_ROWS:
+            raise ValueError(f"path='gemv' takes at most {GEMV_MAX_ROWS} rows, got {rows}")
         xh = torch.empty((rows, in_p), dtype=torch.float32, device=x.device)
         _had(x, suh, xh, pre=True)
         z = gemv_rotated(xh, trellis, codebook, gemv_cfg)
         _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0))
-    else:
-        xh = torch.empty((rows, in_p), dtype=torch.float16, device=x.device)
-        _had(x, suh, xh, pre=True)
-        q = decode_fp16(trellis, codebook, decode_cfg)
-        z = torch.matmul(xh, q).float() if x.device.type == "cpu" else _mm_fp32(xh, q)
-        _had(z, svh, y, pre=False)
+        return y
+    xh = torch.empty((rows, in_p), dtype=torch.float16, device=x.device)
+    _had(x, suh, xh, pre=True)
+    if path == "mma":
+        z = mma_rotated(xh, trellis, codebook, mma_cfg)
+        _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0))
+        return y
+    q = decode_fp16(trellis, codebook, decode_cfg)
+    z = torch.matmul(xh, q).float() if x.device.type == "cpu" else _mm_fp32(xh, q)
+    _had(z, svh, y, pre=False)
     return y
 
 
@@ -251,23 +260,32 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.matmul(a, b).float()
 
 
-def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Iterable[int] = (1, 2, 4, 8, 16, 32),
+def specialization(rows: int) -> tuple:
+    """The kernel specializations ``exl3_linear`` uses for ``rows`` (per layer shape, K and codebook):
+    the path and the Hadamard passes' row block (the kernels do not specialize on ``rows`` itself)."""
+    return (choose_path(rows), min(16, _next_pow2(rows)))
+
+
+PREWARM_ROWS = (1, 2, 3, 8, 16, 32)  # one row count per bucket of :func:`specialization`
+
+
+def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Iterable[int] = PREWARM_ROWS,
             *, device: str | torch.device = "cuda", dtype: torch.dtype = torch.float16) -> int:
     """Compile every specialization needed for layers ``(in_p, out_p, K, codebook)`` and row counts.
 
-    Runs each (shape, rows-bucket) once on random codes; returns the number of launches of
-    :func:`exl3_linear` it made. Call before CUDA-graph capture.
+    Runs each distinct (shape, K, codebook, :func:`specialization`) once on random codes; returns
+    the number of launches of :func:`exl3_linear` it made. Call before CUDA-graph capture.
     """
+    from ..format.bits import words16_per_tile
     n = 0
     done = set()
     for in_p, out_p, bits, codebook in shapes:
-        from ..format.bits import words16_per_tile
         w = words16_per_tile(bits)
         trellis = torch.randint(-32768, 32767, (in_p // 16, out_p // 16, w), dtype=torch.int16, device=device)
         suh = torch.ones(in_p, dtype=torch.float16, device=device)
         svh = torch.ones(out_p, dtype=torch.float16, device=device)
         for r in rows:
-            key = (in_p, out_p, bits, codebook, min(GEMV_DISPATCH_ROWS + 1, _next_pow2(r)))
+            key = (in_p, out_p, bits, codebook, dtype, specialization(r))
             if key in done:
                 continue
             done.add(key)
@@ -279,4 +297,5 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Iterable[int] = 
 
 
 __all__ = ["exl3_linear", "gemv_rotated", "decode_fp16", "prewarm", "GemvConfig", "DecodeConfig",
+           "MmaConfig", "mma_rotated", "choose_path", "specialization", "PREWARM_ROWS", "MMA_MAX_ROWS",
            "GEMV_MAX_ROWS", "GEMV_DISPATCH_ROWS", "interpreting", "gemv_splits"]
