@@ -104,8 +104,30 @@ KERNEL_NO_ASM: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_NO_ASM", False, _flag,
     "1: the GPU kernels decode with plain Triton ops instead of inline PTX (debugging, other GPUs)")
 
+def _positive_int(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError("expected a positive integer") from None
+    if value <= 0:
+        raise ValueError(f"must be positive, got {value}")
+    return value
+
+
+MOE_MAX_DECODE_M: EnvVar[int] = EnvVar(
+    "EXL3RT_MOE_MAX_DECODE_M", 32, _positive_int,
+    "MoE: most rows run by the decode plan (capped at the declared max batch); more rows use the prefill plan")
+
+MOE_PREFILL_BLOCK_M: EnvVar[Optional[int]] = EnvVar(
+    "EXL3RT_MOE_PREFILL_BLOCK_M", None, _positive_int,
+    "MoE: prefill route block; unset = automatic (64, or 32 where the policy picks it), set = exactly this")
+
+MOE_PREFILL_CAPACITY: EnvVar[Optional[int]] = EnvVar(
+    "EXL3RT_MOE_PREFILL_CAPACITY", None, _positive_int,
+    "MoE: rows of the prefill arena (unset = the declared max batch); larger batches run in slices")
+
 ALL: tuple[EnvVar, ...] = (LOG_LEVEL, GOLDEN_DIR, KERNEL_CACHE_DIR, MODELS_DIR, CACHE_MODE, CACHE_DIR,
-                           KERNEL_NO_ASM)
+                           KERNEL_NO_ASM, MOE_MAX_DECODE_M, MOE_PREFILL_BLOCK_M, MOE_PREFILL_CAPACITY)
 
 
 def xdg_cache_home() -> str:
@@ -125,4 +147,4 @@ def cache_dir() -> str:
 
 def describe() -> str:
     """One line per variable: name, default, meaning."""
-    return "\n".join(f"  {v.name:<24} (default {v.default!s:<9}) {v.help}" for v in ALL)
+    return "\n".join(f"  {v.name:<28} (default {v.default!s:<9}) {v.help}" for v in ALL)

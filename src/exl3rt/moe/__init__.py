@@ -1,0 +1,29 @@
+"""Mixed-bitrate MoE planning (docs/moe.md): tiers, route packing, decode/prefill plans, runtime cache, prewarm.
+
+- :mod:`.tiers`: experts grouped by bitrate, the tier-ordered (combined) namespace, descriptors, rotations.
+- :mod:`.routing`: top-k ids -> per-expert route blocks (torch reference, graph-friendly shapes).
+- :mod:`.plan`: settings, decode/prefill plans, row slicing, the prefill block policy.
+- :mod:`.runtime`: launches shared across layers by key, per-layer bindings, owners (target vs draft).
+- :mod:`.reference`: the torch reference launch (end-to-end on any device).
+- :mod:`.prewarm`: warm every reachable specialization before serving.
+"""
+
+from .plan import (DeviceFacts, LayerGeometry, MoESettings, Plan, PlanError, PlanPolicy, Slice,
+                   auto_prefill_block_m, query_device_facts, resolve_policy)
+from .prewarm import moe_layers, prewarm
+from .reference import DenseExpert, ReferenceLaunch, expert_from_linears, reference_launch_factory
+from .routing import NO_EXPERT, RoutePack, max_route_blocks, pack_routes, route_capacity
+from .runtime import (MOE_ATTR, Launch, MoELayerRuntime, MoERuntime, MoERuntimeCache, Owner, RuntimeKey,
+                      ScratchArena, attach, is_capturing, is_draft_name, scope_token)
+from .tiers import (Tier, TierError, TierLayout, TierRotations, tier_rotations, tiers_from_bitrates,
+                    tiers_from_experts, tiers_from_partition)
+
+__all__ = [
+    "DenseExpert", "DeviceFacts", "Launch", "LayerGeometry", "MOE_ATTR", "MoELayerRuntime", "MoERuntime",
+    "MoERuntimeCache", "MoESettings", "NO_EXPERT", "Owner", "Plan", "PlanError", "PlanPolicy", "ReferenceLaunch",
+    "RoutePack", "RuntimeKey", "ScratchArena", "Slice", "Tier", "TierError", "TierLayout", "TierRotations",
+    "attach", "auto_prefill_block_m", "expert_from_linears", "is_capturing", "is_draft_name", "max_route_blocks",
+    "moe_layers", "pack_routes", "prewarm", "query_device_facts", "reference_launch_factory", "resolve_policy",
+    "route_capacity", "scope_token", "tier_rotations", "tiers_from_bitrates", "tiers_from_experts",
+    "tiers_from_partition",
+]
