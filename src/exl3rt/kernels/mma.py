@@ -114,16 +114,28 @@ if HAVE_TRITON:
                     KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
                     ADD: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr,
                     ASM: tl.constexpr):
-        """z[split, m, n] = Σ_{k in split} x'[m, k]·Q[k, n] for 16 rows (pid 2), NT·WARPS n-tiles, one K-split.
+        """z[split, m, n] = Σ_{k in split} x'[m, k]·Q[k, n] for 16 rows (pid 2), NT·WARPS n-tiles, one K-split."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        a0 = pid_k * k_per
+        a1 = tl.minimum(a0 + k_per, in_tiles)
+        _mma_pass(x_ptr, w_ptr, z_ptr + pid_k * stride_zs, rows, pid_m * 16, a0, a1, pid_n, tn_total, stride_x, one,
+                  KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM)
+
+    @triton.jit
+    def _mma_pass(x_ptr, w_ptr, zrow, rows, m0, a0, a1, pid_n, tn_total, stride_x, one,
+                  KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
+                  ADD: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr,
+                  ASM: tl.constexpr):
+        """Rows ``m0 .. m0 + 15`` (those < ``rows``) of ``z = x'·Q[a0·16 : a1·16, :]`` for the n-tiles of
+        ``pid_n``, stored at ``zrow`` (``[rows, out_p]`` fp32); ``w_ptr`` points at Q's first tile.
 
         Tensors are 1-D ``[32·WARPS]`` (one element per thread: element i lives in lane i mod 32 of
         warp i div 32, the only layout Triton can give them once no load is vectorizable); warp w
         handles tiles ``pid_n·NT·WARPS + s·WARPS + w`` for s < NT, accumulators in tuples.
         """
         NW: tl.constexpr = 8 * KA + 4 * HALF                      # words per tile
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        pid_m = tl.program_id(2)
         idx = tl.arange(0, 32 * WARPS)
         lane = idx % 32
         warp = idx // 32
@@ -138,7 +150,6 @@ if HAVE_TRITON:
         tiles = ()
         for s_ in tl.static_range(NT):
             tiles = tiles + ((pid_n * NT + s_) * WARPS + warp,)
-        m0 = pid_m * 16
         if ASM:
             g = lane // 4
             c = lane % 4
@@ -161,8 +172,6 @@ if HAVE_TRITON:
             for s_ in tl.static_range(NT):
                 zf = tl.zeros([16, WARPS, 8], tl.float32)
                 acc = acc + ((zf, zf),)
-        a0 = pid_k * k_per
-        a1 = tl.minimum(a0 + k_per, in_tiles)
         # software pipelining: the words (and x' fragments) of k-tile a + 1 are loaded before k-tile a
         # is decoded, so each lane has two tiles' loads in flight
         wn = _load_words(w_ptr + a0 * tn_total * NW, tiles, wo, NT, NW, NWL)
@@ -224,7 +233,6 @@ if HAVE_TRITON:
                             hi += tl.sum(prod, axis=3)
                     new_acc = new_acc + ((lo, hi),)
             acc = new_acc
-        zrow = z_ptr + pid_k * stride_zs
         out_p = tn_total * 16
         if ASM:
             for s_ in tl.static_range(NT):

@@ -5,6 +5,7 @@
 - :mod:`.plan`: settings, decode/prefill plans, row slicing, the prefill block policy.
 - :mod:`.runtime`: launches shared across layers by key, per-layer bindings, owners (target vs draft).
 - :mod:`.reference`: the torch reference launch (end-to-end on any device).
+- :mod:`.triton_launch`: the Triton launch (tiered kernels of :mod:`exl3rt.kernels.moe`).
 - :mod:`.prewarm`: warm every reachable specialization before serving.
 """
 
@@ -15,6 +16,7 @@ from .reference import DenseExpert, ReferenceLaunch, expert_from_linears, refere
 from .routing import NO_EXPERT, RoutePack, max_route_blocks, pack_routes, route_capacity
 from .runtime import (MOE_ATTR, Launch, MoELayerRuntime, MoERuntime, MoERuntimeCache, Owner, RuntimeKey,
                       ScratchArena, attach, is_capturing, is_draft_name, scope_token)
+from .triton_launch import TritonMoELaunch, triton_launch_factory
 from .tiers import (Tier, TierError, TierLayout, TierRotations, tier_rotations, tiers_from_bitrates,
                     tiers_from_experts, tiers_from_partition)
 
@@ -25,5 +27,5 @@ __all__ = [
     "attach", "auto_prefill_block_m", "expert_from_linears", "is_capturing", "is_draft_name", "max_route_blocks",
     "moe_layers", "pack_routes", "prewarm", "query_device_facts", "reference_launch_factory", "resolve_policy",
     "route_capacity", "scope_token", "tier_rotations", "tiers_from_bitrates", "tiers_from_experts",
-    "tiers_from_partition",
+    "tiers_from_partition", "TritonMoELaunch", "triton_launch_factory",
 ]

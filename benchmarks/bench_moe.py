@@ -1,0 +1,167 @@
+"""Mixed-bitrate EXL3 MoE layer on the GPU (issue 6): exl3rt.kernels.moe.exl3_moe.
+
+    python benchmarks/bench_moe.py [--hidden 6144] [--inter 2048] [--experts 256] [--topk 8]
+                                   [--tiers 3:192 4:64] [--rows 1 8 32 128] [--out benchmarks/results/moe_cuda.json]
+
+Random EXL3 codes (MCG) for every expert, tiers assigned to a random permutation of the experts,
+random routing (top-k distinct experts per token, softmax weights). Per row count: the mixed layer
+(one tiered launch per projection) and an all-K4 layer of the same shape, each the median of
+``--iters`` CUDA-graph replays (one graph per routing input, rotated) timed with CUDA events. Before timing, the mixed layer is checked at 2 rows against dense float32 weights from
+``format.reconstruct`` for the routed experts. bf16 anchors are issue 6's (``torch._grouped_mm``,
+H200, 2026-11-30). Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import commit, write_json  # noqa: E402
+from exl3rt.format.bits import words16_per_tile  # noqa: E402
+from exl3rt.format.reconstruct import reconstruct  # noqa: E402
+from exl3rt.kernels.moe import MoEWeights, exl3_moe  # noqa: E402
+from exl3rt.moe.tiers import tiers_from_bitrates  # noqa: E402
+
+BF16_ANCHORS = {2048: {1: 278, 8: 1519, 32: 4106, 128: 6043, 512: 6313, 2048: 7327},
+                512: {1: 195, 8: 442, 32: 1106, 128: 1647, 512: 1891, 2048: 2809}}
+
+
+def build(h, i, bits_per_expert, dev, seed=0):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    layout = tiers_from_bitrates(bits_per_expert, layer="bench")
+    e = len(bits_per_expert)
+
+    def stack(n, a, b, k):
+        return torch.randint(-32768, 32768, (n, a // 16, b // 16, words16_per_tile(k)), dtype=torch.int16,
+                             device=dev, generator=g)
+
+    def scales(n):
+        return (torch.rand(e, n, device=dev, generator=g) + 0.5) * 0.05
+
+    return MoEWeights(up=[stack(t.count, h, i, t.bits) for t in layout.tiers],
+                      gate=[stack(t.count, h, i, t.bits) for t in layout.tiers],
+                      down=[stack(t.count, i, h, t.bits) for t in layout.tiers],
+                      up_suh=scales(h), up_svh=scales(i), gate_suh=scales(h), gate_svh=scales(i),
+                      down_suh=scales(i), down_svh=scales(h),
+                      descriptors=layout.descriptor_tensor(dev).to(torch.int32), shift=layout.descriptor_shift,
+                      expert_map=layout.global_to_combined_tensor(dev), codebook="mcg"), layout
+
+
+def routing(rows, e, k, dev, seed):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    ids = torch.rand(rows, e, device=dev, generator=g).argsort(dim=1)[:, :k]
+    w = torch.softmax(torch.randn(rows, k, device=dev, generator=g), dim=1)
+    return ids, w
+
+
+def check(w, layout, h, dev):
+    x = torch.randn(2, h, device=dev, dtype=torch.bfloat16)
+    ids, wts = routing(2, layout.num_experts, 2, dev, seed=5)
+    y = exl3_moe(x, ids, wts, w).float()
+    ref = torch.zeros(2, h, device=dev)
+    c_of = layout.global_to_combined
+    for t in range(2):
+        for s in range(2):
+            c = c_of[int(ids[t, s])]
+            tier, local = layout.locate(c)
+
+            def dense(stacks, suh, svh):
+                return reconstruct(stacks[tier][local], suh[c].half(), svh[c].half(), "mcg", dtype=torch.float32)
+            xx = x[t].float()
+            gate = xx @ dense(w.gate, w.gate_suh, w.gate_svh)
+            up = xx @ dense(w.up, w.up_suh, w.up_svh)
+            ref[t] += wts[t, s] * ((F.silu(gate) * up) @ dense(w.down, w.down_suh, w.down_svh))
+    return float((y - ref).norm() / ref.norm())
+
+
+def time_calls(fn, inputs, iters):
+    """Median µs per call: each input's call captured in a CUDA graph and replayed in rotation
+    (falls back to eager calls, reported as such, if capture fails)."""
+    for a in inputs[:2]:
+        fn(*a)
+    torch.cuda.synchronize()
+    try:
+        graphs = []
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for a in inputs:
+                fn(*a)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        for a in inputs:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn(*a)
+            graphs.append(g)
+        run, mode = (lambda n: graphs[n % len(graphs)].replay()), "graph"
+    except Exception as exc:  # noqa: BLE001 - report and time eagerly
+        print(f"CUDA graph capture failed ({type(exc).__name__}: {str(exc)[:120]}); timing eager calls")
+        run, mode = (lambda n: fn(*inputs[n % len(inputs)])), "eager"
+    torch.cuda.synchronize()
+    ts = []
+    for n in range(iters):
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        st.record()
+        run(n)
+        en.record()
+        torch.cuda.synchronize()
+        ts.append(st.elapsed_time(en) * 1000.0)
+    return statistics.median(ts), mode
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=6144)
+    ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--tiers", nargs="+", default=["3:192", "4:64"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--out", default="benchmarks/results/moe_cuda.json")
+    args = ap.parse_args(argv)
+    dev = "cuda"
+    bits = []
+    for spec in args.tiers:
+        k, n = spec.split(":")
+        bits += [float(k) if "." in k else int(k)] * int(n)
+    if len(bits) != args.experts:
+        raise SystemExit(f"--tiers cover {len(bits)} experts, --experts is {args.experts}")
+    perm = torch.randperm(args.experts, generator=torch.Generator().manual_seed(0)).tolist()
+    bits = [bits[p] for p in perm]
+    h, i = args.hidden, args.inter
+    mixed, layout = build(h, i, bits, dev)
+    res = {"commit": commit(), "device": torch.cuda.get_device_name(0), "hidden": h, "inter": i,
+           "experts": args.experts, "topk": args.topk, "tiers": args.tiers, "rows": []}
+    res["check_rel"] = check(mixed, layout, h, dev)
+    print(f"check (2 rows vs float32 reconstruct): rel {res['check_rel']:.2e}", flush=True)
+    k4, _ = build(h, i, [4] * args.experts, dev, seed=1)
+    for r in args.rows:
+        inputs = [(torch.randn(r, h, device=dev, dtype=torch.bfloat16),) + routing(r, args.experts, args.topk, dev, s)
+                  for s in range(4)]
+        us_mixed, mode = time_calls(lambda x, ids, w: exl3_moe(x, ids, w, mixed), inputs, args.iters)
+        us_k4, _ = time_calls(lambda x, ids, w: exl3_moe(x, ids, w, k4), inputs, args.iters)
+        anchor = BF16_ANCHORS.get(i, {}).get(r)
+        res["rows"].append({"rows": r, "mixed_us": us_mixed, "k4_us": us_k4, "bf16_anchor_us": anchor, "timing": mode})
+        print(f"rows={r}: mixed {us_mixed:.1f} us, all-K4 {us_k4:.1f} us, bf16 (issue anchor) {anchor}", flush=True)
+    write_json(args.out, res)
+    print(f"\n| rows | mixed {'/'.join(args.tiers)} µs | all-K4 µs | mixed/K4 | bf16 grouped_mm µs (issue 6 anchor) |")
+    print("|---|---|---|---|---|")
+    for row in res["rows"]:
+        a = row["bf16_anchor_us"]
+        print(f"| {row['rows']} | {row['mixed_us']:.0f} | {row['k4_us']:.0f} | {row['mixed_us'] / row['k4_us']:.2f} | "
+              f"{a if a else ''} |")
+    return 0 if res["check_rel"] < 1e-2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

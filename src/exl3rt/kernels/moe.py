@@ -1,0 +1,261 @@
+"""Mixed-bitrate EXL3 MoE on the GPU: each projection of every tier in one launch (issue 6, first version).
+
+An MoE layer's experts are grouped into tiers by bitrate (:mod:`exl3rt.moe.tiers`); routes are
+packed into blocks of ``block_m`` routes of one expert (:func:`exl3rt.moe.routing.pack_routes`,
+combined expert ids). Per projection, one launch of :func:`_moe_mma_kernel` covers every block of
+every tier: program (n-tiles, block j) reads the block's expert, its descriptor word
+``(tier << shift) | local``, and runs the tier's decoder (K is a compile-time constant per tier, so
+the kernel holds one decode loop per tier) on ``tier_trellis[local]`` — the warp-level mma GEMV of
+:mod:`exl3rt.kernels.mma` (each lane decodes its own mma fragment), 16 routes per pass.
+
+:func:`exl3_moe` computes, for routes r = (token t, slot s) of expert e::
+
+    x'_r = (x_t ⊙ up_suh_e)·H                       (gather + input rotation; gate likewise)
+    g_r  = (x'_r·Q_gate,e)·H ⊙ gate_svh_e          (tiered launch, then rotation)
+    u_r  = (x'_r·Q_up,e)·H ⊙ up_svh_e
+    h'_r = ((act(g_r) · u_r) ⊙ down_suh_e)·H
+    y_t += w[t, s] · ((h'_r·Q_down,e)·H ⊙ down_svh_e)
+
+Three tiered launches (gate, up, down); the rotations, activation and the weighted sum are torch
+ops in this version (fusing them into the launches is the next step, docs/moe.md). On the CPU the
+kernels run in Triton's interpreter (tests); the torch reference is
+:class:`exl3rt.moe.reference.ReferenceLaunch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..format.bits import Bits, bits_from_trellis
+import functools
+
+from ..format.hadamard import hadamard_128
+from ._triton import HAVE_TRITON, tl, triton
+from . import mma as _mm
+
+MAX_TIERS = 4
+
+if HAVE_TRITON:
+    from .mma import _mma_pass
+
+    @triton.jit
+    def _tier_pass(x_ptr, w_ptr, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
+                   KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr,
+                   NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr, ASM: tl.constexpr):
+        """One 16-route pass of one tier: expert ``local`` of the tier's stacked trellis at ``w_ptr``."""
+        estride = k_tiles * n_tiles * (8 * KA + 4 * HALF)          # int32 words per expert
+        _mma_pass(x_ptr, w_ptr + local * estride, z_ptr, lim, m0, a0, a1, pid_n, n_tiles, stride_x, one,
+                  KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM)
+
+    @triton.jit(do_not_specialize=["rows", "one"])
+    def _moe_mma_kernel(x_ptr, z_ptr, blk_ptr, desc_ptr, npad_ptr, w0, w1, w2, w3, rows, k_tiles, n_tiles,
+                        k_per, stride_x, stride_zs, one, SHIFT: tl.constexpr, NTIERS: tl.constexpr,
+                        K0A: tl.constexpr, K0H: tl.constexpr, N0: tl.constexpr,
+                        K1A: tl.constexpr, K1H: tl.constexpr, N1: tl.constexpr,
+                        K2A: tl.constexpr, K2H: tl.constexpr, N2: tl.constexpr,
+                        K3A: tl.constexpr, K3H: tl.constexpr, N3: tl.constexpr,
+                        CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr, NT: tl.constexpr,
+                        WARPS: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr):
+        """z[slot, :] = x'[slot, :]·Q_e for the BLOCK_M slots of route block ``program_id(1)``
+        (expert e = blk[j]), the n-tiles of ``program_id(0)``, K-split ``program_id(2)`` (partials
+        ``z[split]``); blocks past ``npad / BLOCK_M`` exit."""
+        pid_n = tl.program_id(0)
+        j = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        a0 = pid_k * k_per
+        a1 = tl.minimum(a0 + k_per, k_tiles)
+        z_ptr = z_ptr + pid_k * stride_zs
+        if j * BLOCK_M < tl.load(npad_ptr):
+            e = tl.load(blk_ptr + j)
+            d = tl.load(desc_ptr + e)
+            tier = d >> SHIFT
+            local = d & ((1 << SHIFT) - 1)
+            lim = tl.minimum(rows, (j + 1) * BLOCK_M)
+            for mb in tl.static_range(0, BLOCK_M, 16):
+                m0 = j * BLOCK_M + mb
+                if tier == 0:
+                    _tier_pass(x_ptr, w0, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
+                               K0A, K0H, CB, MULT, ADD, NT, WARPS, N0, ASM)
+                if NTIERS > 1:
+                    if tier == 1:
+                        _tier_pass(x_ptr, w1, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
+                                   K1A, K1H, CB, MULT, ADD, NT, WARPS, N1, ASM)
+                if NTIERS > 2:
+                    if tier == 2:
+                        _tier_pass(x_ptr, w2, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
+                                   K2A, K2H, CB, MULT, ADD, NT, WARPS, N2, ASM)
+                if NTIERS > 3:
+                    if tier == 3:
+                        _tier_pass(x_ptr, w3, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
+                                   K3A, K3H, CB, MULT, ADD, NT, WARPS, N3, ASM)
+
+
+def _ka_half(bits: Bits) -> tuple[int, int]:
+    return (int(bits), 0) if float(bits).is_integer() else (int(bits), 1)
+
+
+def grouped_gemv(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], block_experts: torch.Tensor,
+                 num_padded: torch.Tensor, descriptors: torch.Tensor, shift: int, block_m: int, codebook: str,
+                 *, nt: int = 4, num_warps: int = 1, target_programs: int = 2112) -> torch.Tensor:
+    """``z[slot] = xs[slot]·Q_{e(slot)}`` (fp32 ``[slots, out_p]``) for fp16 ``xs [slots, in_p]``, every
+    tier in one launch. ``tier_trellis[t]``: the tier's experts stacked ``[n_t, in_p/16, out_p/16, 16K_t]``
+    (int16, contiguous, local order); ``block_experts`` / ``num_padded`` from :class:`RoutePack`.
+    K is split so that about ``target_programs`` programs run (partials summed in fp32 at the end)."""
+    from .linear import _cb_args, _use_asm
+    if not 1 <= len(tier_trellis) <= MAX_TIERS:
+        raise ValueError(f"grouped_gemv: {len(tier_trellis)} tiers; 1 to {MAX_TIERS} are supported")
+    slots, in_p = xs.shape
+    k_tiles, n_tiles = int(tier_trellis[0].shape[1]), int(tier_trellis[0].shape[2])
+    for t, tr in enumerate(tier_trellis):
+        if tr.dim() != 4 or tuple(tr.shape[1:3]) != (k_tiles, n_tiles) or not tr.is_contiguous():
+            raise ValueError(f"grouped_gemv: tier {t} trellis {tuple(tr.shape)} is not a contiguous "
+                             f"[experts, {k_tiles}, {n_tiles}, 16K] stack")
+    if in_p != k_tiles * 16:
+        raise ValueError(f"grouped_gemv: xs has {in_p} columns, the trellis {k_tiles * 16} rows")
+    ntw = nt * num_warps
+    while n_tiles % ntw:
+        ntw //= 2
+    warps = min(num_warps, ntw)
+    from .linear import gemv_splits
+    n_blocks, max_blocks = n_tiles // ntw, int(block_experts.shape[0])
+    splits, k_per = gemv_splits(k_tiles, n_blocks * max_blocks, target_programs)
+    z = torch.zeros((splits, slots, n_tiles * 16), dtype=torch.float32, device=xs.device)
+    cb, mult, add = _cb_args(codebook)
+    ks = [_ka_half(bits_from_trellis(tr[0])) for tr in tier_trellis]
+    ks += [(1, 0)] * (MAX_TIERS - len(ks))
+    nwl = [_mm.words_per_lane(ka + 0.5 * h) for ka, h in ks]
+    ws = [tr.view(torch.int32) for tr in tier_trellis]
+    ws += [ws[0]] * (MAX_TIERS - len(ws))
+    grid = (n_blocks, max_blocks, splits)
+    _moe_mma_kernel[grid](xs, z, block_experts, descriptors, num_padded, *ws, slots, k_tiles, n_tiles, k_per,
+                          xs.stride(0), z.stride(0), 1, SHIFT=shift, NTIERS=len(tier_trellis),
+                          K0A=ks[0][0], K0H=ks[0][1], N0=nwl[0], K1A=ks[1][0], K1H=ks[1][1], N1=nwl[1],
+                          K2A=ks[2][0], K2H=ks[2][1], N2=nwl[2], K3A=ks[3][0], K3H=ks[3][1], N3=nwl[3],
+                          CB=cb, MULT=mult, ADD=add, NT=ntw // warps, WARPS=warps, BLOCK_M=block_m,
+                          ASM=_use_asm(xs.device), num_warps=warps)
+    return z[0] if splits == 1 else z.sum(0)
+
+
+@dataclasses.dataclass
+class MoEWeights:
+    """One layer's experts for :func:`exl3_moe`, in tier order.
+
+    ``gate``/``up``/``down``: per tier, the tier's experts' trellis stacked ``[n_t, …]`` (``gate`` None
+    for ungated experts); rotation tables in combined order (``[E, n]``; a broadcast table ``[1, n]``
+    is used for every expert); ``descriptors [E]`` int32 and ``shift`` from the
+    :class:`~exl3rt.moe.tiers.TierLayout`; ``expert_map [E_router]`` global → combined.
+    """
+
+    up: list[torch.Tensor]
+    down: list[torch.Tensor]
+    gate: Optional[list[torch.Tensor]]
+    up_suh: torch.Tensor
+    up_svh: torch.Tensor
+    down_suh: torch.Tensor
+    down_svh: torch.Tensor
+    gate_suh: Optional[torch.Tensor]
+    gate_svh: Optional[torch.Tensor]
+    descriptors: torch.Tensor
+    shift: int
+    expert_map: torch.Tensor
+    codebook: str
+    act: Callable[[torch.Tensor], torch.Tensor] = F.silu
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.descriptors.shape[0])
+
+    @classmethod
+    def from_experts(cls, layout, experts: Sequence[dict], *, codebook: Optional[str] = None,
+                     act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> "MoEWeights":
+        """``experts[g]`` (global order) maps ``gate_proj``/``up_proj``/``down_proj`` to objects with
+        ``trellis``, ``suh``, ``svh`` (and ``codebook``), e.g. :class:`~exl3rt.format.EncodedLinear`
+        or :class:`~exl3rt.runtime.linear.Exl3Linear`; ``layout`` the layer's ``TierLayout``."""
+        gated = "gate_proj" in experts[0]
+        cbs = {getattr(p, "codebook", codebook) for ex in experts for p in ex.values()}
+        cbs.discard(None)
+        if codebook is None:
+            if len(cbs) != 1:
+                raise ValueError(f"{layout.layer}: experts use codebooks {sorted(cbs)}; one per layer is supported")
+            codebook = cbs.pop()
+        order = list(layout.combined_to_global)
+
+        def stacks(proj: str) -> list[torch.Tensor]:
+            return [torch.stack([experts[g][proj].trellis for g in tier.expert_ids]).contiguous()
+                    for tier in layout.tiers]
+
+        def table(proj: str, field: str) -> torch.Tensor:
+            return torch.stack([getattr(experts[g][proj], field) for g in order]).float()
+
+        dev = experts[0]["up_proj"].trellis.device
+        return cls(up=stacks("up_proj"), down=stacks("down_proj"), gate=stacks("gate_proj") if gated else None,
+                   up_suh=table("up_proj", "suh"), up_svh=table("up_proj", "svh"),
+                   down_suh=table("down_proj", "suh"), down_svh=table("down_proj", "svh"),
+                   gate_suh=table("gate_proj", "suh") if gated else None,
+                   gate_svh=table("gate_proj", "svh") if gated else None,
+                   descriptors=layout.descriptor_tensor(dev).to(torch.int32), shift=layout.descriptor_shift,
+                   expert_map=layout.global_to_combined_tensor(dev), codebook=codebook, act=act)
+
+
+@functools.lru_cache(maxsize=None)
+def _h128(device: torch.device) -> torch.Tensor:
+    """The scaled 128×128 Hadamard matrix, built once per device (fp32)."""
+    return hadamard_128(torch.float32, device)
+
+
+def hadamard_blocks(v: torch.Tensor) -> torch.Tensor:
+    """``v [n, m]`` (fp32, m a multiple of 128) times the 128-block Hadamard along the last dimension."""
+    n, m = v.shape
+    return (v.reshape(n, m // 128, 128) @ _h128(v.device)).reshape(n, m)
+
+
+def _rows(table: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Per-slot rows of a scale table (``[1, n]`` broadcast, or ``[E, n]`` indexed by the slot's expert)."""
+    return table.expand(e.shape[0], -1) if table.shape[0] == 1 else table[e]
+
+
+def exl3_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MoEWeights, *,
+             block_m: int = 16, nt: int = 4, num_warps: int = 1) -> torch.Tensor:
+    """``y[t] = Σ_s topk_weights[t, s] · expert_{topk_ids[t, s]}(x[t])`` (see the module docstring)."""
+    from ..moe.routing import pack_routes
+    T, H = x.shape
+    k = topk_ids.shape[1]
+    numel = T * k
+    pack = pack_routes(topk_ids, w.num_experts, block_m, expert_map=w.expert_map)
+    slots = pack.capacity
+    r = pack.sorted_routes.to(torch.int64)
+    live = r < numel
+    tok = torch.where(live, r // k, T)                       # padding slots read a zero row
+    blk = pack.block_experts.to(torch.int64)
+    e = torch.zeros(slots, dtype=torch.int64, device=x.device)  # the slot's combined expert
+    e[:blk.shape[0] * block_m] = blk.clamp(min=0).repeat_interleave(block_m)
+    xpad = torch.cat([x.float(), x.new_zeros(1, H, dtype=torch.float32)])[tok]
+
+    def rotate_in(v: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
+        return hadamard_blocks(v * _rows(suh, e)).half().contiguous()
+
+    def tiered(v16: torch.Tensor, tiers: list[torch.Tensor]) -> torch.Tensor:
+        return grouped_gemv(v16, tiers, pack.block_experts, pack.num_padded, w.descriptors, w.shift, block_m,
+                            w.codebook, nt=nt, num_warps=num_warps)
+
+    xu = rotate_in(xpad, w.up_suh)
+    u = hadamard_blocks(tiered(xu, w.up)) * _rows(w.up_svh, e)
+    if w.gate is not None:
+        xg = xu if w.gate_suh is w.up_suh else rotate_in(xpad, w.gate_suh)
+        g = hadamard_blocks(tiered(xg, w.gate)) * _rows(w.gate_svh, e)
+        h = w.act(g) * u
+    else:
+        h = w.act(u)
+    hd = rotate_in(h, w.down_suh)
+    yd = hadamard_blocks(tiered(hd, w.down)) * _rows(w.down_svh, e)
+    wt = torch.where(live, topk_weights.reshape(-1).float()[r.clamp(max=numel - 1)], 0.0)
+    y = torch.zeros(T + 1, H, dtype=torch.float32, device=x.device)
+    y.index_add_(0, tok, yd * wt[:, None])
+    return y[:T].to(x.dtype)
+
+
+__all__ = ["MoEWeights", "exl3_moe", "grouped_gemv", "MAX_TIERS"]

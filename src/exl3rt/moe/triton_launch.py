@@ -1,0 +1,89 @@
+"""The Triton MoE launch: :class:`~exl3rt.moe.runtime.Launch` hooks around :func:`exl3rt.kernels.moe.exl3_moe`.
+
+``bind(layer)`` turns the layer's experts into :class:`~exl3rt.kernels.moe.MoEWeights` once (tier
+stacks of the trellis, rotation tables in combined order, descriptors): ``layer.weights`` is either a
+``MoEWeights`` or one ``{"gate_proj", "up_proj", "down_proj"} -> EXL3 linear`` dict per global expert.
+``run`` packs the routes with the plan's ``block_m`` and runs one tiered launch per projection.
+``warmup(rows, ids_dtype)`` compiles the launch's kernel specializations on a one-expert-per-tier
+dummy layer of the same geometry (K per tier, H, I, descriptor width, block_m) — the specializations
+never depend on the expert count or the row count — and returns how many kernel launches it made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..format.bits import words16_per_tile
+from .plan import Plan
+from .runtime import MoELayerRuntime, RuntimeKey, ScratchArena
+from .tiers import DESCRIPTOR_NARROW_SHIFT, DESCRIPTOR_WIDE_SHIFT
+
+
+class TritonMoELaunch:
+    """See the module docstring."""
+
+    def __init__(self, key: RuntimeKey, plan: Plan, arena: ScratchArena):
+        self.key = key
+        self.plan = plan
+        self.arena = arena
+        self.warmed: set[tuple[int, torch.dtype]] = set()
+
+    def compile(self) -> None:
+        """Nothing to build ahead: Triton compiles on the first launch; :meth:`warmup` forces that."""
+
+    def bind(self, layer: MoELayerRuntime) -> Any:
+        from ..kernels.moe import MoEWeights
+        if isinstance(layer.weights, MoEWeights):
+            return layer.weights
+        experts = list(layer.weights)
+        if len(experts) != layer.layout.num_experts or not all(isinstance(e, dict) for e in experts):
+            raise ValueError(f"{layer.name}: the Triton MoE launch needs MoEWeights or one dict of "
+                             f"gate_proj/up_proj/down_proj EXL3 linears per expert ({layer.layout.num_experts})")
+        return MoEWeights.from_experts(layer.layout, experts)
+
+    def _dummy(self) -> Any:
+        """One expert per tier at this key's geometry (random codes, unit scales)."""
+        from ..kernels.moe import MoEWeights
+        k, dev = self.key, torch.device(self.key.device)
+        tiers = [bits for bits, _ in k.tier_signature]
+        shift = DESCRIPTOR_NARROW_SHIFT if max(n for _, n in k.tier_signature) <= (1 << DESCRIPTOR_NARROW_SHIFT) \
+            else DESCRIPTOR_WIDE_SHIFT
+
+        def stack(i: int, o: int) -> list[torch.Tensor]:
+            return [torch.randint(-32768, 32768, (1, i // 16, o // 16, words16_per_tile(b)), dtype=torch.int16,
+                                  device=dev) for b in tiers]
+        ones = lambda n: torch.ones(len(tiers), n, device=dev)  # noqa: E731
+        return MoEWeights(up=stack(k.hidden, k.intermediate), down=stack(k.intermediate, k.hidden),
+                          gate=stack(k.hidden, k.intermediate),
+                          up_suh=ones(k.hidden), up_svh=ones(k.intermediate), down_suh=ones(k.intermediate),
+                          down_svh=ones(k.hidden), gate_suh=ones(k.hidden), gate_svh=ones(k.intermediate),
+                          descriptors=torch.tensor([t << shift for t in range(len(tiers))], dtype=torch.int32,
+                                                   device=dev),
+                          shift=shift, expert_map=torch.arange(len(tiers), device=dev),
+                          codebook=next((c for c in k.codebooks if c), "mcg"))
+
+    def warmup(self, rows: int, ids_dtype: torch.dtype) -> int:
+        from ..kernels.moe import exl3_moe
+        w = self._dummy()
+        n = len(w.up)
+        dev = torch.device(self.key.device)
+        ids = (torch.arange(rows * self.plan.top_k, device=dev) % n).reshape(rows, self.plan.top_k).to(ids_dtype)
+        x = torch.zeros(rows, self.key.hidden, dtype=self.key.x_dtype, device=dev)
+        exl3_moe(x, ids, torch.ones(rows, self.plan.top_k, device=dev), w, block_m=self.plan.block_m)
+        self.warmed.add((rows, ids_dtype))
+        return 3  # gate, up, down
+
+    def run(self, binding: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+            out: torch.Tensor) -> None:
+        from ..kernels.moe import exl3_moe
+        out.copy_(exl3_moe(x, topk_ids, topk_weights, binding, block_m=self.plan.block_m))
+
+
+def triton_launch_factory(key: RuntimeKey, plan: Plan, arena: ScratchArena) -> TritonMoELaunch:
+    """The :data:`~exl3rt.moe.runtime.LaunchFactory` of the Triton launch."""
+    return TritonMoELaunch(key, plan, arena)
+
+
+__all__ = ["TritonMoELaunch", "triton_launch_factory"]

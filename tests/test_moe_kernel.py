@@ -1,0 +1,149 @@
+"""The tiered MoE kernels (``exl3rt.kernels.moe``) and the Triton launch, against float64 per-token loops.
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest): tiny
+layers (H = I = 128, a few tokens). The reference is independent of the kernels: dense weights from
+``format.reconstruct`` in float64 and a loop over tokens and their routed experts.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+_ON_GPU = torch.cuda.is_available()
+if not _ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from exl3rt.format.bits import words16_per_tile  # noqa: E402
+from exl3rt.format.reconstruct import reconstruct  # noqa: E402
+from exl3rt.kernels import linear as kl  # noqa: E402
+from exl3rt.kernels.moe import MoEWeights, exl3_moe, grouped_gemv  # noqa: E402
+from exl3rt.moe import MoELayerRuntime, MoERuntimeCache, MoESettings, Owner  # noqa: E402
+from exl3rt.moe.reference import DenseExpert, reference_launch_factory  # noqa: E402
+from exl3rt.moe.tiers import tiers_from_bitrates  # noqa: E402
+from exl3rt.moe.triton_launch import triton_launch_factory  # noqa: E402
+
+if not _ON_GPU and not kl.interpreting():
+    pytest.skip("no GPU, and exl3rt.kernels was imported before TRITON_INTERPRET=1 could be set",
+                allow_module_level=True)
+
+DEV = "cuda" if _ON_GPU else "cpu"
+
+
+def _lin(i: int, o: int, bits, g: torch.Generator, codebook: str, suh=None):
+    tr = torch.randint(-32768, 32768, (i // 16, o // 16, words16_per_tile(bits)), dtype=torch.int16, generator=g)
+    if suh is None:
+        suh = ((torch.rand(i, generator=g) + 0.5) * 0.2).half()
+    svh = ((torch.rand(o, generator=g) + 0.5) * 0.2).half()
+    return SimpleNamespace(trellis=tr.to(DEV), suh=suh.to(DEV), svh=svh.to(DEV), codebook=codebook)
+
+
+def _experts(bits, *, h=128, i=128, gated=True, shared_h=False, codebook="mcg", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shared = ((torch.rand(h, generator=g) + 0.5) * 0.2).half() if shared_h else None
+    out = []
+    for b in bits:
+        ex = {"up_proj": _lin(h, i, b, g, codebook, shared), "down_proj": _lin(i, h, b, g, codebook)}
+        if gated:
+            ex["gate_proj"] = _lin(h, i, b, g, codebook, shared)
+        out.append(ex)
+    return out
+
+
+def _dense(p) -> torch.Tensor:
+    return reconstruct(p.trellis.cpu(), p.suh.cpu(), p.svh.cpu(), p.codebook, dtype=torch.float64)
+
+
+def _loop(x, ids, w, experts, act=F.silu):
+    """float64 reference: y[t] = Σ_s w[t,s]·down(act(gate x)·up x) of expert ids[t,s]."""
+    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            ex = experts[int(ids[t, s])]
+            xx = x[t].double().cpu()
+            up = xx @ _dense(ex["up_proj"])
+            h = act(xx @ _dense(ex["gate_proj"])) * up if "gate_proj" in ex else act(up)
+            y[t] += float(w[t, s]) * (h @ _dense(ex["down_proj"]))
+    return y
+
+
+def _inputs(t, e, k, h=128, seed=0, ids_dtype=torch.int64, skip=None):
+    g = torch.Generator().manual_seed(seed)
+    choices = [i for i in range(e) if i != skip]
+    ids = torch.stack([torch.tensor(choices)[torch.randperm(len(choices), generator=g)[:k]] for _ in range(t)])
+    return (torch.randn(t, h, generator=g).to(DEV), ids.to(ids_dtype).to(DEV),
+            torch.rand(t, k, generator=g).to(DEV))
+
+
+def _rel(y, ref):
+    return float((y.double().cpu() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("bits,block_m", [((3, 2, 4, 3), 8), ((2, 4), 32)])
+def test_mixed_tiers_match_float64_loop(bits, block_m):
+    """Tiers of different K in one launch per projection; block_m below 16 and above (two passes)."""
+    experts = _experts(bits, seed=len(bits))
+    w = MoEWeights.from_experts(tiers_from_bitrates(list(bits), layer="blk.0"), experts)
+    x, ids, wts = _inputs(3, len(bits), 2, seed=block_m)
+    y = exl3_moe(x, ids, wts, w, block_m=block_m, nt=2, num_warps=2)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert _rel(y, _loop(x, ids, wts, experts)) < 2e-3  # x' and h' in fp16
+
+
+def test_ungated_shared_h_int32_ids_and_an_idle_expert():
+    """Ungated experts, one shared input-side rotation for all experts, int32 ids, an expert with no route."""
+    bits = (4, 3, 3)
+    experts = _experts(bits, gated=False, shared_h=True, seed=7)
+    w = MoEWeights.from_experts(tiers_from_bitrates(list(bits)), experts, act=F.gelu)
+    x, ids, wts = _inputs(3, 3, 1, seed=3, ids_dtype=torch.int32, skip=1)
+    y = exl3_moe(x, ids, wts, w, block_m=16)
+    assert _rel(y, _loop(x, ids, wts, experts, act=F.gelu)) < 2e-3
+
+
+def test_half_integer_tiers_mul1():
+    bits = (2.5, 3.5, 2.5)
+    experts = _experts(bits, codebook="mul1", seed=9)
+    w = MoEWeights.from_experts(tiers_from_bitrates(list(bits)), experts)
+    x, ids, wts = _inputs(2, 3, 2, seed=5)
+    assert _rel(exl3_moe(x, ids, wts, w, block_m=8), _loop(x, ids, wts, experts)) < 2e-3
+
+
+def test_triton_launch_through_the_runtime_matches_the_reference_launch():
+    """The same layer planned with the Triton launch and with the torch reference launch; prewarm visits
+    the decode launch's specializations."""
+    bits = (3, 4, 3, 4)
+    experts = _experts(bits, seed=11)
+    layout = tiers_from_bitrates(list(bits), layer="model.layers.0.mlp.experts")
+    dense = [DenseExpert(up=_dense(e["up_proj"]).float().to(DEV), down=_dense(e["down_proj"]).float().to(DEV),
+                         gate=_dense(e["gate_proj"]).float().to(DEV)) for e in experts]
+    settings = MoESettings(max_batched=8, max_decode_m=4)
+    owner = Owner.of(SimpleNamespace(), layout.layer)
+    tri = MoELayerRuntime(layout.layer, layout, experts, hidden=128, intermediate=128, top_k=2, settings=settings,
+                          cache=MoERuntimeCache(triton_launch_factory), owner=owner)
+    ref = MoELayerRuntime(layout.layer, layout, dense, hidden=128, intermediate=128, top_k=2, settings=settings,
+                          cache=MoERuntimeCache(reference_launch_factory), owner=owner)
+    x, ids, wts = _inputs(3, 4, 2, seed=1)
+    y_tri, y_ref = tri(x, ids, wts), ref(x, ids, wts)
+    assert _rel(y_tri, y_ref.double().cpu()) < 2e-3
+    launch = tri.runtimes()[0].launches["decode"]
+    assert launch.warmup(2, torch.int32) == 3 and (2, torch.int32) in launch.warmed
+
+
+def test_grouped_gemv_rejects_bad_stacks():
+    g = torch.Generator().manual_seed(0)
+    tr = torch.randint(-32768, 32768, (1, 8, 8, 32), dtype=torch.int16, generator=g).to(DEV)
+    xs = torch.zeros(16, 128, dtype=torch.float16, device=DEV)
+    blk = torch.zeros(1, dtype=torch.int32, device=DEV)
+    npad = torch.full((1,), 16, dtype=torch.int32, device=DEV)
+    desc = torch.zeros(1, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="tiers"):
+        grouped_gemv(xs, [tr] * 5, blk, npad, desc, 8, 16, "mcg")
+    with pytest.raises(ValueError, match="stack"):
+        grouped_gemv(xs, [tr, tr[:, :4]], blk, npad, desc, 8, 16, "mcg")
+    with pytest.raises(ValueError, match="columns"):
+        grouped_gemv(xs[:, :64], [tr], blk, npad, desc, 8, 16, "mcg")
