@@ -5,7 +5,8 @@
 
 Random EXL3 codes (MCG) for every expert, tiers assigned to a random permutation of the experts,
 random routing (top-k distinct experts per token, softmax weights). Per row count: the mixed layer
-(one tiered launch per projection) and an all-K4 layer of the same shape, each the median of
+(one tiered launch per projection), the same tiers run one after the other (one launch per tier
+and projection), and an all-K4 layer of the same shape, each the median of
 ``--iters`` CUDA-graph replays (one graph per routing input, rotated) timed with CUDA events. Before timing, the mixed layer is checked at 2 rows against dense float32 weights from
 ``format.reconstruct`` for the routed experts. bf16 anchors are issue 6's (``torch._grouped_mm``,
 H200, 2026-11-30). Prints a table and writes JSON.
@@ -14,6 +15,7 @@ H200, 2026-11-30). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -53,6 +55,23 @@ def build(h, i, bits_per_expert, dev, seed=0):
                       down_suh=scales(i), down_svh=scales(h),
                       descriptors=layout.descriptor_tensor(dev).to(torch.int32), shift=layout.descriptor_shift,
                       expert_map=layout.global_to_combined_tensor(dev), codebook="mcg"), layout
+
+
+def split_tiers(w: MoEWeights, layout) -> list[MoEWeights]:
+    """One single-tier layer per tier (routes to other tiers' experts map to -1 and are dropped):
+    running them one after the other is the two-launches-per-projection baseline."""
+    out = []
+    for t, tier in enumerate(layout.tiers):
+        g2c = torch.full_like(w.expert_map, -1)
+        ids = torch.tensor(tier.expert_ids, device=w.expert_map.device)
+        g2c[ids] = torch.arange(tier.count, device=ids.device, dtype=g2c.dtype)
+        comb = w.expert_map[ids]
+        out.append(dataclasses.replace(
+            w, up=[w.up[t]], gate=[w.gate[t]], down=[w.down[t]], up_suh=w.up_suh[comb], up_svh=w.up_svh[comb],
+            gate_suh=w.gate_suh[comb], gate_svh=w.gate_svh[comb], down_suh=w.down_suh[comb],
+            down_svh=w.down_svh[comb], descriptors=torch.arange(tier.count, dtype=torch.int32, device=ids.device),
+            shift=layout.descriptor_shift, expert_map=g2c))
+    return out
 
 
 def routing(rows, e, k, dev, seed):
@@ -145,21 +164,26 @@ def main(argv=None):
     res["check_rel"] = check(mixed, layout, h, dev)
     print(f"check (2 rows vs float32 reconstruct): rel {res['check_rel']:.2e}", flush=True)
     k4, _ = build(h, i, [4] * args.experts, dev, seed=1)
+    serial = split_tiers(mixed, layout)
     for r in args.rows:
         inputs = [(torch.randn(r, h, device=dev, dtype=torch.bfloat16),) + routing(r, args.experts, args.topk, dev, s)
                   for s in range(4)]
         us_mixed, mode = time_calls(lambda x, ids, w: exl3_moe(x, ids, w, mixed), inputs, args.iters)
         us_k4, _ = time_calls(lambda x, ids, w: exl3_moe(x, ids, w, k4), inputs, args.iters)
+        us_serial, _ = time_calls(lambda x, ids, w: [exl3_moe(x, ids, w, t) for t in serial], inputs, args.iters)
         anchor = BF16_ANCHORS.get(i, {}).get(r)
-        res["rows"].append({"rows": r, "mixed_us": us_mixed, "k4_us": us_k4, "bf16_anchor_us": anchor, "timing": mode})
+        res["rows"].append({"rows": r, "mixed_us": us_mixed, "k4_us": us_k4, "serial_tiers_us": us_serial,
+                            "bf16_anchor_us": anchor, "timing": mode})
         print(f"rows={r}: mixed {us_mixed:.1f} us, all-K4 {us_k4:.1f} us, bf16 (issue anchor) {anchor}", flush=True)
     write_json(args.out, res)
-    print(f"\n| rows | mixed {'/'.join(args.tiers)} µs | all-K4 µs | mixed/K4 | bf16 grouped_mm µs (issue 6 anchor) |")
-    print("|---|---|---|---|---|")
+    print(f"\n| rows | mixed {'/'.join(args.tiers)} µs | tiers one after the other µs | serial/mixed | all-K4 µs | "
+          f"mixed/K4 | bf16 grouped_mm µs (issue 6 anchor) |")
+    print("|---|---|---|---|---|---|---|")
     for row in res["rows"]:
         a = row["bf16_anchor_us"]
-        print(f"| {row['rows']} | {row['mixed_us']:.0f} | {row['k4_us']:.0f} | {row['mixed_us'] / row['k4_us']:.2f} | "
-              f"{a if a else ''} |")
+        print(f"| {row['rows']} | {row['mixed_us']:.0f} | {row['serial_tiers_us']:.0f} | "
+              f"{row['serial_tiers_us'] / row['mixed_us']:.2f} | {row['k4_us']:.0f} | "
+              f"{row['mixed_us'] / row['k4_us']:.2f} | {a if a else ''} |")
     return 0 if res["check_rel"] < 1e-2 else 1
 
 

@@ -7,6 +7,8 @@ _LAZY = {
     "Exl3Config": "exl3rt.runtime.config",
     "Exl3Linear": "exl3rt.runtime.linear",
     "quantize_model": "exl3rt.runtime.quantize_model",
+    "Exl3MoE": "exl3rt.runtime.moe_module",
+    "TopRouted": "exl3rt.runtime.router_stats",
 }
 
 

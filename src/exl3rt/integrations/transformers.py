@@ -23,7 +23,10 @@ How the weights flow (each linear is encoded as its weight loads; the dense mode
    dense key, which transformers installs; the dense tensor is dropped when ``convert`` returns.
 4. ``_process_model_after_weight_loading`` removes the placeholders, quantizes a tied head if asked
    (``quantize_lm_head`` with tied embeddings: the head is encoded from the embedding and untied),
-   and checks every selected weight was loaded. ``model.hf_quantizer.summary()`` tells hits/misses.
+   checks every selected weight was loaded, and plans the MoE runtime of tierable experts
+   (:func:`exl3rt.runtime.moe_module.install_moe_runtimes`). ``Exl3Config.expert_bits_rule`` is refused
+   here: router statistics need the whole model before encoding (use ``quantize_model``).
+   ``model.hf_quantizer.summary()`` tells hits/misses and which MoE path each experts module runs.
 
 ``save_pretrained`` is refused (``is_serializable`` is False): the codes live in the exl3rt cache; write
 an EXL3 checkpoint with ``exl3rt quantize`` instead.
@@ -44,10 +47,12 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..runtime.config import QUANT_METHOD
 from ..runtime.config import Exl3Config as RuntimeExl3Config
+from ..runtime.config import Exl3ConfigError as RuntimeExl3ConfigError
 from ..runtime.experts import Exl3Experts
 from ..runtime.linear import Exl3Linear
 from ..runtime.online import OnlineEncoder, make_cache
-from ..runtime.policy import ExpertsTarget, LinearTarget, select_targets
+from ..runtime.moe_module import install_moe_runtimes
+from ..runtime.policy import RULE_NEEDS_STATS, ExpertsTarget, LinearTarget, select_targets
 from ..runtime.quantize_model import _quantize_linear, _replace, untie_head
 from ..util.progress import Progress
 
@@ -61,7 +66,8 @@ class Exl3Config(QuantizationConfigMixin):
 
     def __init__(self, bits=4, codebook="mcg", seed=0, bits_for=None, ignore=None, quantize_lm_head=False,
                  head_bits=6, cache_mode=None, cache_dir=None, encode_device=None, backend="auto",
-                 dequant_cache=None, progress=True, **kwargs: Any):
+                 dequant_cache=None, progress=True, expert_bits=None, expert_bits_rule=None, moe_runtime=None,
+                 moe_max_batched=4096, **kwargs: Any):
         method = kwargs.pop("quant_method", QUANT_METHOD)
         if str(method) != QUANT_METHOD or kwargs:
             bad = sorted(kwargs) if kwargs else [f"quant_method={method!r}"]
@@ -69,7 +75,9 @@ class Exl3Config(QuantizationConfigMixin):
         rt = RuntimeExl3Config(bits=bits, codebook=codebook, seed=seed, bits_for=dict(bits_for or {}),
                                ignore=list(ignore or []), quantize_lm_head=quantize_lm_head, head_bits=head_bits,
                                cache_mode=cache_mode, cache_dir=cache_dir, encode_device=encode_device,
-                               backend=backend, dequant_cache=dequant_cache, progress=progress)
+                               backend=backend, dequant_cache=dequant_cache, progress=progress,
+                               expert_bits=dict(expert_bits or {}), expert_bits_rule=expert_bits_rule,
+                               moe_runtime=moe_runtime, moe_max_batched=moe_max_batched)
         self.quant_method = QUANT_METHOD
         for f in _FIELDS:
             setattr(self, f, getattr(rt, f))
@@ -83,10 +91,7 @@ class Exl3Config(QuantizationConfigMixin):
         return cls(**{f: getattr(config, f) for f in _FIELDS})
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f: getattr(self, f) for f in _FIELDS}
-        out["bits_for"], out["ignore"] = dict(out["bits_for"]), list(out["ignore"])
-        out["quant_method"] = QUANT_METHOD
-        return out
+        return self.to_runtime().to_dict()
 
 
 def _as_hf_config(config: Any) -> Exl3Config:
@@ -132,6 +137,8 @@ class Exl3HfQuantizer(HfQuantizer):
             raise ValueError("exl3rt: this checkpoint's config.json already names quant_method 'exl3rt', but exl3rt "
                              "online-quantized models are not saved; load the original BF16/FP16 checkpoint")
         self.config: RuntimeExl3Config = quantization_config.to_runtime()
+        if self.config.expert_bits_rule is not None:
+            raise RuntimeExl3ConfigError(RULE_NEEDS_STATS.format(rule=self.config.expert_bits_rule))
         self.encoder: Optional[OnlineEncoder] = None
         self._pending: dict[str, LinearTarget | ExpertsTarget] = {}  # placeholder param name -> target
         self._done: set[str] = set()
@@ -150,7 +157,10 @@ class Exl3HfQuantizer(HfQuantizer):
         target = self._pending.get(param_name)
         if target is None:
             return param.element_size()
-        k = target.bits if isinstance(target, LinearTarget) else self.config.bits
+        if isinstance(target, LinearTarget):
+            k = target.bits
+        else:  # per-expert K: size for the widest expert
+            k = max((b for per in target.bits for b in per.values() if b is not None), default=self.config.bits)
         return float(k) / 8
 
     @property
@@ -268,6 +278,7 @@ class Exl3HfQuantizer(HfQuantizer):
             untie_head(model, target.name)
             if self._progress is not None:
                 self._progress.update(target.num_weights, note=target.name)
+        self.moe = install_moe_runtimes(model, self.config)  # tiered experts -> Exl3MoE (docs/online.md)
         enc.stats.modules = len(self._targets)
         enc.stats.seconds = time.perf_counter() - self._t0
         if self._progress is not None:
@@ -281,6 +292,7 @@ class Exl3HfQuantizer(HfQuantizer):
         """Counters of this load: layers, modules, hits, misses, encode/read seconds, weights, avg_bits, bpw, cache."""
         out = self._encoder().summary()
         out["names"] = [t.name for t in self._targets]
+        out["moe"] = dict(getattr(self, "moe", {}))
         return out
 
 

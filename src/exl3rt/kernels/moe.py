@@ -100,11 +100,12 @@ def _ka_half(bits: Bits) -> tuple[int, int]:
 
 def grouped_gemv(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], block_experts: torch.Tensor,
                  num_padded: torch.Tensor, descriptors: torch.Tensor, shift: int, block_m: int, codebook: str,
-                 *, nt: int = 4, num_warps: int = 1, target_programs: int = 2112) -> torch.Tensor:
+                 *, nt: int = 4, num_warps: int = 1, target_programs: Optional[int] = None) -> torch.Tensor:
     """``z[slot] = xs[slot]·Q_{e(slot)}`` (fp32 ``[slots, out_p]``) for fp16 ``xs [slots, in_p]``, every
     tier in one launch. ``tier_trellis[t]``: the tier's experts stacked ``[n_t, in_p/16, out_p/16, 16K_t]``
     (int16, contiguous, local order); ``block_experts`` / ``num_padded`` from :class:`RoutePack`.
-    K is split so that about ``target_programs`` programs run (partials summed in fp32 at the end)."""
+    K is split so that about ``target_programs`` programs run (partials summed in fp32 at the end;
+    default 2112 on a GPU, no split in the CPU interpreter, where programs are what costs)."""
     from .linear import _cb_args, _use_asm
     if not 1 <= len(tier_trellis) <= MAX_TIERS:
         raise ValueError(f"grouped_gemv: {len(tier_trellis)} tiers; 1 to {MAX_TIERS} are supported")
@@ -121,6 +122,8 @@ def grouped_gemv(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], block_e
         ntw //= 2
     warps = min(num_warps, ntw)
     from .linear import gemv_splits
+    if target_programs is None:
+        target_programs = 2112 if xs.device.type == "cuda" else 0
     n_blocks, max_blocks = n_tiles // ntw, int(block_experts.shape[0])
     splits, k_per = gemv_splits(k_tiles, n_blocks * max_blocks, target_programs)
     z = torch.zeros((splits, slots, n_tiles * 16), dtype=torch.float32, device=xs.device)

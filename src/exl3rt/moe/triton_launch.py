@@ -86,4 +86,63 @@ def triton_launch_factory(key: RuntimeKey, plan: Plan, arena: ScratchArena) -> T
     return TritonMoELaunch(key, plan, arena)
 
 
-__all__ = ["TritonMoELaunch", "triton_launch_factory"]
+def fused_supported(layer: MoELayerRuntime) -> bool:
+    """The Triton launch computes ``layer`` exactly: one ``{gate_proj, up_proj, down_proj}`` dict of
+    EXL3 linears per expert, no expert object saying otherwise (``fused_ok = False``), H and I
+    multiples of 128, one codebook."""
+    from ..kernels.moe import MoEWeights
+    if isinstance(layer.weights, MoEWeights):
+        return True
+    g = layer.geometry
+    if g.hidden % 128 or g.intermediate % 128 or len({c for c in g.codebooks if c}) > 1:
+        return False
+    experts = list(layer.weights)
+    return all(isinstance(e, dict) and getattr(e, "fused_ok", True) and set(e) == {"gate_proj", "up_proj", "down_proj"}
+               and all(hasattr(p, "trellis") for p in e.values()) for e in experts)
+
+
+class AutoLaunch:
+    """Per layer, the Triton launch where it applies (:func:`fused_supported`, CUDA with Triton, or
+    ``prefer_triton=True``), else the torch reference launch; :meth:`bind` records the choice in
+    :attr:`kinds` (layer name -> ``"triton"`` | ``"reference"``)."""
+
+    def __init__(self, key: RuntimeKey, plan: Plan, arena: ScratchArena, *, prefer_triton: bool | None = None):
+        from ..kernels._triton import HAVE_TRITON
+        from .reference import ReferenceLaunch
+        self.key = key
+        self.plan = plan
+        if prefer_triton is None:
+            prefer_triton = HAVE_TRITON and torch.device(key.device).type == "cuda"
+        self.prefer_triton = bool(prefer_triton)
+        self.triton = TritonMoELaunch(key, plan, arena)
+        self.reference = ReferenceLaunch(key, plan, arena)
+        self.kinds: dict[str, str] = {}
+
+    def compile(self) -> None:
+        self.triton.compile()
+        self.reference.compile()
+
+    def bind(self, layer: MoELayerRuntime) -> Any:
+        kind = "triton" if self.prefer_triton and fused_supported(layer) else "reference"
+        self.kinds[layer.name] = kind
+        return kind, (self.triton if kind == "triton" else self.reference).bind(layer)
+
+    def warmup(self, rows: int, ids_dtype: torch.dtype) -> int:
+        n = self.reference.warmup(rows, ids_dtype)
+        if self.prefer_triton and "triton" in self.kinds.values():
+            n += self.triton.warmup(rows, ids_dtype)
+        return n
+
+    def run(self, binding: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+            out: torch.Tensor) -> None:
+        kind, inner = binding
+        (self.triton if kind == "triton" else self.reference).run(inner, x, topk_ids, topk_weights, out)
+
+
+def auto_launch_factory(key: RuntimeKey, plan: Plan, arena: ScratchArena, *,
+                        prefer_triton: bool | None = None) -> AutoLaunch:
+    """The default :data:`~exl3rt.moe.runtime.LaunchFactory`: :class:`AutoLaunch`."""
+    return AutoLaunch(key, plan, arena, prefer_triton=prefer_triton)
+
+
+__all__ = ["AutoLaunch", "TritonMoELaunch", "auto_launch_factory", "fused_supported", "triton_launch_factory"]

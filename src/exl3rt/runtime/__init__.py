@@ -2,14 +2,18 @@
 
 - :class:`Exl3Config`: online quantization settings.
 - :func:`quantize_model`: quantize a loaded model in place, through the encoding cache.
-- :class:`Exl3Linear`, :class:`Exl3Experts`: the modules it installs.
+- :class:`Exl3Linear`, :class:`Exl3Experts`, :class:`Exl3MoE`: the modules it installs (Exl3MoE: experts
+  at per-expert bitrates run through the planned ``exl3rt.moe`` runtime).
+- :class:`TopRouted`: the "most-routed experts at the higher K" rule (router statistics).
 """
 
 from .config import QUANT_METHOD, Exl3Config, Exl3ConfigError
 from .experts import Exl3Experts
 from .linear import Exl3Linear
 from .policy import PolicyError, select_targets
+from .moe_module import Exl3MoE
 from .quantize_model import quantize_model
+from .router_stats import TopRouted
 
 __all__ = ["QUANT_METHOD", "Exl3Config", "Exl3ConfigError", "Exl3Experts", "Exl3Linear", "PolicyError",
-           "quantize_model", "select_targets"]
+           "quantize_model", "select_targets", "Exl3MoE", "TopRouted"]

@@ -18,7 +18,8 @@ Forward (same signature and math as the HF experts module's eager path)::
 
 where ``[gate ; up]`` is rebuilt in the module's own layout (concatenated or interleaved) so the
 module's own ``_apply_gate`` (copied from the HF class) applies unchanged. This module always runs
-the per-expert loop; transformers' ``config._experts_implementation`` does not apply to it.
+the per-expert loop; transformers' ``config._experts_implementation`` does not apply to it. Its subclass
+:class:`~exl3rt.runtime.moe_module.Exl3MoE` runs the same experts through a planned MoE runtime.
 """
 
 from __future__ import annotations
@@ -104,6 +105,18 @@ class Exl3Experts(nn.Module):
             out = out + getattr(self, f"{lay.up_param}_bias")[expert].to(out.dtype)
         return out
 
+    def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert, unweighted, ``[n, H] -> [n, H]``.
+
+        ``down_e(gate_fn([gate_e(x) ; up_e(x)] + b_up[e])) + b_down[e]`` (``act(up_e(x) + b_up[e])`` ungated).
+        """
+        h = self._up(expert, x)
+        h = self._gate_fn(self, h) if self.layout.has_gate else self.act_fn(h)
+        y = self.projection(expert, "down_proj")(h)
+        if self.layout.has_bias:
+            y = y + self.down_proj_bias[expert].to(y.dtype)
+        return y
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         final = torch.zeros_like(hidden_states)
@@ -114,12 +127,7 @@ class Exl3Experts(nn.Module):
             if e == self.num_experts:  # expert-parallel sentinel
                 continue
             top_k_pos, token_idx = torch.where(mask[e])
-            x = hidden_states[token_idx]
-            h = self._up(e, x)
-            h = self._gate_fn(self, h) if self.layout.has_gate else self.act_fn(h)
-            y = self.projection(e, "down_proj")(h)
-            if self.layout.has_bias:
-                y = y + self.down_proj_bias[e].to(y.dtype)
+            y = self.expert_forward(e, hidden_states[token_idx])
             y = y * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, y.to(final.dtype))
         return final

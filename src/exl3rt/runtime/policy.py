@@ -12,6 +12,12 @@ Selected:
   ``<experts>.{e}.gate_proj | up_proj | down_proj`` (the names a per-expert checkpoint uses, so
   ``bits_for``/``ignore`` patterns, seeds and cache keys agree with ``exl3rt quantize``).
 
+Per-expert K of fused experts: ``Exl3Config.expert_bits`` (an explicit map per experts module) and
+``Exl3Config.expert_bits_rule`` (from :class:`~exl3rt.runtime.router_stats.RouterStats`, gathered on the
+loaded model before encoding; without statistics the rule is an error naming the alternatives). Expert
+ids are checked against the module's expert count, and every ``expert_bits`` pattern must match a fused
+experts module (a pattern matching nothing is a typo, not a no-op).
+
 Never selected: norms (not linears), embeddings (``embed*``, ``wte``, ``wpe`` segments), routers
 (segments ``gate``, ``router``, ``shared_expert_gate``; in transformers 5.x most routers are not
 ``nn.Linear`` anyway). The name rules are those of :mod:`exl3rt.convert.plan`.
@@ -20,16 +26,20 @@ Never selected: norms (not linears), embeddings (``embed*``, ``wte``, ``wpe`` se
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import logging
 import re
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 from torch import nn
 
 from ..convert.plan import _EMBED, _ROUTER, HEAD
 from ..format.bits import Bits
-from .config import Exl3Config
+from .config import Exl3Config, Exl3ConfigError
+
+if TYPE_CHECKING:
+    from .router_stats import RouterStats
 
 log = logging.getLogger("exl3rt.runtime")
 
@@ -182,14 +192,55 @@ def fused_experts_layout(module: nn.Module) -> Optional[ExpertLayout]:
     return layout
 
 
-def select_targets(model: nn.Module, config: Exl3Config) -> list[LinearTarget | ExpertsTarget]:
-    """Modules of ``model`` to quantize, in ``named_modules`` order (see the module docstring)."""
+RULE_NEEDS_STATS = (
+    "Exl3Config.expert_bits_rule={rule!r} needs router statistics, which exist only for a model loaded in full: "
+    "use exl3rt.quantize_model(model, config) on the loaded BF16 model (it routes calibration tokens first), or "
+    "give explicit per-expert bits with Exl3Config.expert_bits; transformers from_pretrained(..., "
+    "quantization_config=...) encodes each expert as it loads, before any token can be routed")
+
+
+def expert_overrides(config: Exl3Config, name: str, num_experts: int,
+                     router_stats: Optional["RouterStats"] = None) -> list[Optional[Bits]]:
+    """Whole-expert K of each expert of fused experts module ``name`` (None: use ``bits``/``bits_for``).
+
+    Later wins: ``expert_bits`` defaults, ``expert_bits_rule``, ``expert_bits`` per-expert entries.
+    Raises Exl3ConfigError for an expert id ``>= num_experts`` (naming the entry) or a rule without stats.
+    """
+    entries = config.expert_entries(name)
+    over: list[Optional[Bits]] = [None] * num_experts
+    for _, entry in entries:
+        if entry["default"] is not None:
+            over = [entry["default"]] * num_experts
+    rule = config.expert_bits_rule
+    if rule is not None:
+        if router_stats is None:
+            raise Exl3ConfigError(RULE_NEEDS_STATS.format(rule=rule))
+        from .router_stats import rule_bits
+
+        over = list(rule_bits(rule, router_stats, name))
+    for pattern, entry in entries:
+        for e, k in entry["experts"].items():
+            if e >= num_experts:
+                raise Exl3ConfigError(
+                    f"Exl3Config.expert_bits[{pattern!r}][{e}]: expert {e} does not exist in {name} "
+                    f"({num_experts} experts, ids 0..{num_experts - 1}); remove the entry or fix the pattern")
+            over[e] = k
+    return over
+
+
+def select_targets(model: nn.Module, config: Exl3Config,
+                   router_stats: Optional["RouterStats"] = None) -> list[LinearTarget | ExpertsTarget]:
+    """Modules of ``model`` to quantize, in ``named_modules`` order (see the module docstring).
+
+    ``router_stats`` feeds ``config.expert_bits_rule`` (see :mod:`exl3rt.runtime.router_stats`).
+    """
     from .experts import Exl3Experts
     from .linear import Exl3Linear
 
     heads = _head_names(model)
     targets: list[LinearTarget | ExpertsTarget] = []
     skip_below: list[str] = []
+    experts_names: list[str] = []
     for name, module in model.named_modules():
         if any(name.startswith(p + ".") for p in skip_below):
             continue
@@ -208,20 +259,35 @@ def select_targets(model: nn.Module, config: Exl3Config) -> list[LinearTarget | 
         layout = fused_experts_layout(module)
         if layout is None:
             continue
+        experts_names.append(name)
         if config.is_ignored(name):
             skip_below.append(name)
             continue
         if getattr(module, "has_post_expert_norm", False):
             raise PolicyError(f"{name}: experts with a post-expert norm ({type(module).__name__}) are not supported "
                               f"yet; add {name!r} (or a pattern for it) to Exl3Config.ignore to keep them dense")
+        over = expert_overrides(config, name, layout.num_experts, router_stats)
         per_expert = tuple(
-            {p: (None if config.is_ignored(f"{name}.{e}.{p}") else config.bits_for_module(f"{name}.{e}.{p}"))
+            {p: (None if config.is_ignored(f"{name}.{e}.{p}") else
+                 over[e] if over[e] is not None else config.bits_for_module(f"{name}.{e}.{p}"))
              for p in layout.projections()}
             for e in range(layout.num_experts)
         )
         targets.append(ExpertsTarget(name, layout, per_expert))
         skip_below.append(name)
+    _check_patterns_used(config, experts_names)
     return targets
+
+
+def _check_patterns_used(config: Exl3Config, experts_names: list[str]) -> None:
+    """Every ``expert_bits`` pattern must name at least one fused experts module of the model."""
+    for pattern in config.expert_bits:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in experts_names):
+            found = ", ".join(experts_names[:3]) + (" …" if len(experts_names) > 3 else "") or "none"
+            raise Exl3ConfigError(
+                f"Exl3Config.expert_bits[{pattern!r}]: the pattern matches no fused experts module of this model "
+                f"(experts modules: {found}); patterns name the experts module itself, e.g. "
+                f"'model.layers.*.mlp.experts'")
 
 
 def iter_names(targets: list[LinearTarget | ExpertsTarget]) -> Iterator[tuple[str, Optional[Bits]]]:
@@ -235,5 +301,5 @@ def iter_names(targets: list[LinearTarget | ExpertsTarget]) -> Iterator[tuple[st
                     yield t.expert_name(e, proj), k
 
 
-__all__ = ["ExpertLayout", "ExpertsTarget", "LinearTarget", "PolicyError", "fused_experts_layout",
+__all__ = ["ExpertLayout", "ExpertsTarget", "LinearTarget", "PolicyError", "expert_overrides", "fused_experts_layout",
            "is_embedding_name", "is_router_name", "iter_names", "select_targets"]

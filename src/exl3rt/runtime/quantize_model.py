@@ -1,9 +1,11 @@
 """quantize_model: turn a loaded torch model's linears into EXL3 modules, in place, through the cache.
 
-    for each target of policy.select_targets(model, config):
+    if config.expert_bits_rule: router statistics on calibration tokens (router_stats.py), model still dense
+    for each target of policy.select_targets(model, config, router_stats):
         nn.Linear [out, in]        ──OnlineEncoder──► Exl3Linear (bias kept)       ─► replaces it
         fused experts (3-D params) ──per expert slice──► Exl3Experts of Exl3Linear ─► replaces it
         (the dense weight is dropped as soon as its module is replaced)
+    moe_module.install_moe_runtimes: Exl3Experts that can be tiered ─► Exl3MoE (planned MoE runtime)
 
 Peak memory is the model as given plus the codes of one module (for a fused experts module: the codes
 of all its experts) — the dense weights shrink away as the pass advances.
@@ -24,6 +26,8 @@ from .experts import Exl3Experts
 from .linear import Exl3Linear
 from .online import OnlineEncoder
 from .policy import ExpertsTarget, LinearTarget, select_targets
+from .router_stats import calibration_ids as _calibration_ids
+from .router_stats import collect_router_stats
 
 log = logging.getLogger("exl3rt.runtime")
 
@@ -81,7 +85,7 @@ def _quantize_experts(module: nn.Module, target: ExpertsTarget, enc: OnlineEncod
 
 
 def quantize_model(model: nn.Module, config: Optional[Exl3Config] = None, *, cache: Any = None,
-                   progress: bool = True) -> dict[str, Any]:
+                   progress: bool = True, calibration_ids: Any = None, tokenizer: Any = None) -> dict[str, Any]:
     """Quantize ``model`` in place (see the module docstring); returns a summary dict.
 
     ``config`` defaults to ``Exl3Config()`` (K=4, mcg). ``cache`` defaults to
@@ -89,7 +93,11 @@ def quantize_model(model: nn.Module, config: Optional[Exl3Config] = None, *, cac
     ``modules``, ``hits``, ``misses``, ``encode_seconds``, ``read_seconds``, ``seconds``,
     ``total_weights``, ``avg_bits`` (weight-averaged K), ``bpw`` (stored bits of trellis+scales per
     weight), ``code_bytes``, ``cache`` (the cache's own counters), ``cache_root``, ``cache_mode``,
-    ``names`` (the replaced modules).
+    ``names`` (the replaced modules), ``moe`` (experts module -> "runtime …" or "loop: reason"), and
+    ``router_stats`` (``{"tokens", "counts"}``) when ``config.expert_bits_rule`` gathered them.
+
+    ``calibration_ids`` (token ids) or ``tokenizer`` (for the bundled evaluation text) feed
+    ``config.expert_bits_rule``; without either, the tokenizer saved beside the model is used.
     """
     config = config if config is not None else Exl3Config()
     if not isinstance(config, Exl3Config):
@@ -98,7 +106,11 @@ def quantize_model(model: nn.Module, config: Optional[Exl3Config] = None, *, cac
             raise TypeError(f"quantize_model: config must be an exl3rt Exl3Config, got {type(config).__name__}")
         config = to_runtime()
     t0 = time.perf_counter()
-    targets = select_targets(model, config)
+    stats = None
+    if config.expert_bits_rule is not None:
+        ids = _calibration_ids(model, config.expert_bits_rule.tokens, token_ids=calibration_ids, tokenizer=tokenizer)
+        stats = collect_router_stats(model, ids)
+    targets = select_targets(model, config, stats)
     enc = OnlineEncoder(config, cache)
     total = sum(t.num_weights for t in targets)
     names = []
@@ -119,9 +131,15 @@ def quantize_model(model: nn.Module, config: Optional[Exl3Config] = None, *, cac
             del module  # the dense weights go with the old module (unless the caller still holds them)
             names.append(target.name)
             enc.stats.modules += 1
+    from .moe_module import install_moe_runtimes
+
+    moe = install_moe_runtimes(model, config)
     enc.stats.seconds = time.perf_counter() - t0
     summary = enc.summary()
     summary["names"] = names
+    summary["moe"] = moe
+    if stats is not None:
+        summary["router_stats"] = stats.as_dict()
     log.info("exl3rt: quantized %d matrices in %d modules (%d cache hits, %d encoded) in %.1f s, %.2f bits/weight",
              summary["layers"], summary["modules"], summary["hits"], summary["misses"], summary["seconds"],
              summary["avg_bits"])
