@@ -8,26 +8,17 @@ On the H200 the real-shape checks are in ``benchmarks/bench_linear.py`` (correct
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-_ON_GPU = torch.cuda.is_available()
-if not _ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernel_env import DEV, require_kernels
 
-pytest.importorskip("triton")
+require_kernels()
 
 from exl3rt.format.bits import words16_per_tile  # noqa: E402
 from exl3rt.format.reconstruct import decode, reconstruct  # noqa: E402
 from exl3rt.kernels import linear as kl  # noqa: E402
 
-if not _ON_GPU and not kl.interpreting():
-    pytest.skip("no GPU, and exl3rt.kernels was imported before TRITON_INTERPRET=1 could be set",
-                allow_module_level=True)
-
-DEV = "cuda" if _ON_GPU else "cpu"
 # small launch blocks: one or two programs per call in the interpreter
 GEMV = kl.GemvConfig(nt=16, num_warps=1, target_programs=2)
 DEC = kl.DecodeConfig(nt=8, num_warps=1, k_per=2)

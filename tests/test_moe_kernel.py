@@ -7,32 +7,23 @@ layers (H = I = 128, a few tokens). The reference is independent of the kernels:
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-_ON_GPU = torch.cuda.is_available()
-if not _ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+from kernel_env import DEV, require_kernels
+
+require_kernels()
 
 from exl3rt.format.bits import words16_per_tile  # noqa: E402
 from exl3rt.format.reconstruct import reconstruct  # noqa: E402
-from exl3rt.kernels import linear as kl  # noqa: E402
 from exl3rt.kernels.moe import MoEWeights, exl3_moe, grouped_gemv  # noqa: E402
 from exl3rt.moe import MoELayerRuntime, MoERuntimeCache, MoESettings, Owner  # noqa: E402
 from exl3rt.moe.reference import DenseExpert, reference_launch_factory  # noqa: E402
 from exl3rt.moe.tiers import tiers_from_bitrates  # noqa: E402
 from exl3rt.moe.triton_launch import triton_launch_factory  # noqa: E402
-
-if not _ON_GPU and not kl.interpreting():
-    pytest.skip("no GPU, and exl3rt.kernels was imported before TRITON_INTERPRET=1 could be set",
-                allow_module_level=True)
-
-DEV = "cuda" if _ON_GPU else "cpu"
 
 
 def _lin(i: int, o: int, bits, g: torch.Generator, codebook: str, suh=None):

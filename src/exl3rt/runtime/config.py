@@ -27,6 +27,7 @@ import torch
 from ..format.bits import Bits, is_half, normalize_bits
 from ..format.codebooks import CODEBOOKS
 from ..format.errors import FormatError
+from ..util.fields import unknown_fields
 from .router_stats import TopRouted
 
 #: the ``quant_method`` name registered with transformers
@@ -253,10 +254,9 @@ class Exl3Config:
         method = data.pop("quant_method", QUANT_METHOD)
         if str(method) != QUANT_METHOD:
             raise Exl3ConfigError(f"Exl3Config.from_dict: quant_method={method!r} is not {QUANT_METHOD!r}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown, valid = unknown_fields(cls, data)
         if unknown:
-            raise Exl3ConfigError(f"Exl3Config.from_dict: unknown field(s) {unknown}; valid fields: {sorted(names)}")
+            raise Exl3ConfigError(f"Exl3Config.from_dict: unknown field(s) {unknown}; valid fields: {valid}")
         return cls(**data)
 
     # ---- transformers hook ---------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..format.bits import Bits
+from ..util.fields import unknown_fields
 
 log = logging.getLogger("exl3rt.runtime")
 
@@ -70,10 +71,9 @@ class TopRouted:
         rule = data.pop("rule", RULE_NAME)
         if rule != RULE_NAME:
             raise ValueError(f"unknown expert-bits rule {rule!r}; the only rule is {RULE_NAME!r}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown, valid = unknown_fields(cls, data)
         if unknown:
-            raise ValueError(f"unknown TopRouted field(s) {unknown}; valid: {sorted(names)}")
+            raise ValueError(f"unknown TopRouted field(s) {unknown}; valid: {valid}")
         return cls(**data)
 
 
