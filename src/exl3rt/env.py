@@ -126,8 +126,34 @@ MOE_PREFILL_CAPACITY: EnvVar[Optional[int]] = EnvVar(
     "EXL3RT_MOE_PREFILL_CAPACITY", None, _positive_int,
     "MoE: rows of the prefill arena (unset = the declared max batch); larger batches run in slices")
 
+def _bits(raw: str) -> float | int:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("expected K: an integer 1..8 or a half-integer 1.5/2.5/3.5 (mul1 codebook)") from None
+    if value * 2 != int(value * 2) or not 1 <= value <= 8:
+        raise ValueError(f"K must be 1..8 (or 1.5/2.5/3.5 with the mul1 codebook), got {raw}")
+    return int(value) if value.is_integer() else value
+
+
+def _codebook(raw: str) -> str:
+    value = raw.lower()
+    if value not in ("mcg", "mul1", "3inst"):
+        raise ValueError("expected mcg, mul1 or 3inst")
+    return value
+
+
+VLLM_BITS: EnvVar[Optional[float | int]] = EnvVar(
+    "EXL3RT_VLLM_BITS", None, _bits,
+    "vLLM online EXL3: K of the linears when quantization_config has no 'bits' (unset = 4)")
+
+VLLM_CODEBOOK: EnvVar[Optional[str]] = EnvVar(
+    "EXL3RT_VLLM_CODEBOOK", None, _codebook,
+    "vLLM online EXL3: codebook when quantization_config has no 'codebook' (unset = mcg)")
+
 ALL: tuple[EnvVar, ...] = (LOG_LEVEL, GOLDEN_DIR, KERNEL_CACHE_DIR, MODELS_DIR, CACHE_MODE, CACHE_DIR,
-                           KERNEL_NO_ASM, MOE_MAX_DECODE_M, MOE_PREFILL_BLOCK_M, MOE_PREFILL_CAPACITY)
+                           KERNEL_NO_ASM, MOE_MAX_DECODE_M, MOE_PREFILL_BLOCK_M, MOE_PREFILL_CAPACITY,
+                           VLLM_BITS, VLLM_CODEBOOK)
 
 
 def xdg_cache_home() -> str:

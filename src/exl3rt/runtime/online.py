@@ -69,11 +69,17 @@ class OnlineEncoder:
         self.stats = OnlineStats()
 
     def encode(self, name: str, weight_hf: torch.Tensor, bits: Bits,
-               device: Optional[torch.device | str] = None) -> EncodedLinear:
+               device: Optional[torch.device | str] = None, *,
+               tp: Optional[tuple[int, int, tuple[int, int, int, int]]] = None) -> EncodedLinear:
         """Codes of ``weight_hf`` (HF ``[out, in]``, as loaded) for module ``name`` at K = ``bits``.
 
         The result lives on ``device`` (default: the weight's device). A miss encodes on
         ``config.encode_device`` (default: the weight's device) and publishes to the cache.
+
+        ``tp = (tp_size, tp_rank, bounds)``: ``weight_hf`` is one tensor-parallel rank's slice of module
+        ``name``'s weight, at ``bounds = (row0, row1, col0, col1)`` of the whole ``[out, in]`` weight
+        (vLLM). The key is that of the slice's own bytes plus these three fields, so each rank's
+        encoding is its own entry; ``None`` (the whole weight) gives the key every other path uses.
         """
         cfg = self.config
         if weight_hf.device.type == "meta":
@@ -85,6 +91,10 @@ class OnlineEncoder:
         seed = module_seed(name, cfg.seed)
         key = self.cache.key_for_weight(weight_hf, bits=bits, codebook=cfg.codebook, seed=seed, hessian=None,
                                         tp_size=1, tp_rank=0, tp_bounds=None, out_scales=True)
+        if tp is not None:
+            tp_size, tp_rank, bounds = tp
+            key = dataclasses.replace(key, tp_size=int(tp_size), tp_rank=int(tp_rank),
+                                      tp_bounds=tuple(int(b) for b in bounds))
 
         def encode_fn() -> EncodedLinear:
             from ..encode import quantize as _quantize  # looked up per call (tests patch quantize_weight)

@@ -1,0 +1,29 @@
+"""Every vLLM name the plugin uses, imported in one place (vLLM 0.32 and 0.33 have the same ones).
+
+Importing this module imports vLLM; only the plugin's vLLM-side modules import it.
+"""
+
+from __future__ import annotations
+
+from vllm.model_executor.layers.linear import (  # noqa: F401
+    LinearBase,
+    LinearMethodBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+    register_weight_loader_v2_supported_method,
+)
+from vllm.model_executor.layers.quantization import (  # noqa: F401
+    QUANTIZATION_METHODS,
+    register_quantization_config,
+)
+from vllm.model_executor.layers.quantization.base_config import (  # noqa: F401
+    QuantizationConfig,
+    QuantizeMethodBase,
+)
+from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing  # noqa: F401
+from vllm.model_executor.parameter import ModelWeightParameter  # noqa: F401
+from vllm.model_executor.utils import set_weight_attrs  # noqa: F401

@@ -1,0 +1,154 @@
+"""``Exl3VllmConfig``: vLLM's ``QuantizationConfig`` for ``quantization="exl3"``. Imports vLLM.
+
+Module-level class (vLLM pickles the config into its engine and worker processes). Per process it
+keeps one :class:`~exl3rt.runtime.online.OnlineEncoder` (not pickled) and a record of the layers it
+served (``summary()``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+from ...convert.plan import HEAD
+from ...runtime.config import Exl3Config
+from ...runtime.policy import is_embedding_name, is_router_name
+from ._compat import LinearBase, QuantizationConfig, QuantizeMethodBase, UnquantizedLinearMethod
+from .settings import guess_mode, online_config, requested_mode, stored_linears
+from .shards import ShardError, shard_names
+
+log = logging.getLogger("exl3rt.vllm")
+
+NAME = "exl3"
+
+
+class Exl3VllmConfig(QuantizationConfig):
+    """EXL3 in vLLM: serve stored codes (``mode="checkpoint"``) or encode BF16 weights at load (``"online"``)."""
+
+    def __init__(self, raw: Optional[dict[str, Any]] = None):
+        super().__init__()
+        self.raw: dict[str, Any] = dict(raw or {})
+        self.mode: str = guess_mode(self.raw)
+        self.online: Optional[Exl3Config] = online_config(self.raw) if self.mode == "online" else None
+        self.stored: Optional[set[str]] = None  # EXL3 linears in the checkpoint (None: not looked at)
+        self.layers: dict[str, str] = {}        # prefix -> mode, filled as layers are processed
+        self._encoder = None
+
+    # ---- pickling: the encoder (cache handles, stats) is per process --------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_encoder"] = None
+        return state
+
+    # ---- vLLM's QuantizationConfig interface ------------------------------------------------------
+    @classmethod
+    def get_name(cls) -> str:
+        return NAME
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80  # the Triton kernels are built and tested for sm_80+; vLLM skips this check on CPU
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Exl3VllmConfig":
+        return cls(config)
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: Optional[str],
+                                     hf_config: Any = None) -> Optional[str]:
+        """A checkpoint whose ``quantization_config.quant_method`` is ``exl3`` is served by this plugin."""
+        if isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") == NAME and user_quant in (None, NAME):
+            return NAME
+        return None
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: Optional[str] = None) -> None:
+        """Look at the checkpoint: stored ``*.trellis`` tensors mean checkpoint mode, none mean online."""
+        stored = stored_linears(model_name)
+        if stored is None:
+            return  # not a local directory: keep the mode the dict implies
+        forced = requested_mode(self.raw)
+        mode = forced or ("checkpoint" if stored else "online")
+        if mode == "checkpoint" and not stored:
+            raise ShardError(f"{model_name}: quantization_config asks for EXL3 checkpoint mode but no '*.trellis' "
+                             f"tensor is stored there; to encode this BF16 checkpoint at load, pass "
+                             f"hf_overrides={{'quantization_config': {{'quant_method': 'exl3', 'bits': 4}}}}")
+        if mode == "online" and self.online is None:
+            self.online = online_config({k: v for k, v in self.raw.items() if k in ("quant_method", "mode")})
+        self.mode, self.stored = mode, stored
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
+        if not isinstance(layer, LinearBase):
+            if type(layer).__name__ == "RoutedExperts" and self.mode == "checkpoint":
+                raise NotImplementedError(f"{prefix}: EXL3 MoE experts are not supported by the exl3rt vLLM plugin "
+                                          f"yet (dense models only); serve this model with exl3rt's transformers path")
+            return None  # embeddings, the head, experts: vLLM's unquantized methods
+        names = shard_names(prefix, self.packed_modules_mapping) or [prefix]
+        if self.mode == "checkpoint":
+            return self._checkpoint_method(prefix, names)
+        return self._online_method(prefix, names)
+
+    # ---- helpers --------------------------------------------------------------------------------------
+    def _online_method(self, prefix: str, names: list[str]) -> QuantizeMethodBase:
+        from .online_method import Exl3OnlineLinearMethod
+
+        cfg = self.online
+        assert cfg is not None
+        skip = [cfg.is_ignored(n) or is_embedding_name(n) or is_router_name(n) or
+                (n.rsplit(".", 1)[-1] == HEAD and not cfg.quantize_lm_head) for n in names]
+        if all(skip):
+            return UnquantizedLinearMethod()
+        if any(skip):
+            raise ShardError(f"{prefix}: vLLM fuses {names} into one layer, but only some of them are ignored; "
+                             f"ignore all of them or none (quantization_config ignore patterns)")
+        bits = [cfg.bits_for_module(n) for n in names]
+        return Exl3OnlineLinearMethod(self, prefix, names, bits)
+
+    def _checkpoint_method(self, prefix: str, names: list[str]) -> QuantizeMethodBase:
+        from .checkpoint_method import Exl3CheckpointLinearMethod
+
+        if self.stored is None:
+            return Exl3CheckpointLinearMethod(self, prefix, names)
+        present = [n in self.stored for n in names]
+        if not any(present):
+            return UnquantizedLinearMethod()
+        if not all(present):
+            missing = [n for n, p in zip(names, present) if not p]
+            raise ShardError(f"{prefix}: vLLM fuses {names} into one layer, but {missing} are not stored as EXL3 "
+                             f"(no '.trellis'); quantize all of them or none")
+        return Exl3CheckpointLinearMethod(self, prefix, names)
+
+    @property
+    def dequant_cache(self) -> Optional[bool]:
+        return self.online.dequant_cache if self.online is not None else self.raw.get("dequant_cache")
+
+    def encoder(self):
+        """This process's :class:`OnlineEncoder` (created on first use)."""
+        if self._encoder is None:
+            from ...runtime.online import OnlineEncoder
+
+            assert self.online is not None, "online encoder requested in checkpoint mode"
+            self._encoder = OnlineEncoder(self.online)
+        return self._encoder
+
+    def note_layer(self, prefix: str, how: str) -> None:
+        self.layers[prefix] = how
+
+    def summary(self) -> dict[str, Any]:
+        """Layers served by the plugin in this process, and the encoder's counters (online mode)."""
+        out: dict[str, Any] = {"mode": self.mode, "layers": dict(self.layers)}
+        if self._encoder is not None:
+            out["online"] = self._encoder.summary()
+        return out
+
+
+__all__ = ["Exl3VllmConfig", "NAME"]

@@ -1,0 +1,29 @@
+"""The forward of an EXL3 vLLM linear: each logical shard's :class:`Exl3Linear`, outputs concatenated.
+
+Pure torch (no vLLM import). ``Exl3Linear`` picks the path: CPU reference (dequantize once, keep,
+matmul) or CUDA (exl3rt's Triton kernels). Concatenating ``[x·W_q, x·W_k, x·W_v]`` is exactly the fused
+``x·[W_q W_k W_v]`` vLLM expects, and each product is the one the transformers path computes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+def exl3_apply(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[..., in] -> [..., sum(out)]``: ``cat_j(x · W_j) + bias``."""
+    mods = getattr(layer, "exl3", None)
+    if mods is None:
+        raise RuntimeError(f"{getattr(layer, 'prefix', type(layer).__name__)}: EXL3 layer used before its weights were "
+                           f"processed (process_weights_after_loading did not run)")
+    outs = [m(x) for m in mods]
+    y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y
+
+
+__all__ = ["exl3_apply"]

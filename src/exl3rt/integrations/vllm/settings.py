@@ -1,0 +1,83 @@
+"""The plugin's settings from vLLM's ``quantization_config`` dict (pure: no vLLM import).
+
+Two modes, one method name (``quantization="exl3"``):
+
+- ``"checkpoint"``: the model directory holds EXL3 codes (``*.trellis`` tensors, written by
+  ``exl3rt quantize`` or exllamav3). Detected from the files; the dict is the checkpoint's own
+  ``quantization_config`` and only informs.
+- ``"online"``: a BF16/FP16 checkpoint, encoded at load through exl3rt's cache. The dict comes from
+  ``hf_overrides={"quantization_config": {"quant_method": "exl3", "bits": 4, ...}}``; its other keys
+  are :class:`exl3rt.Exl3Config` fields (``bits``, ``codebook``, ``seed``, ``bits_for``, ``ignore``,
+  ``cache_dir``, ``cache_mode``, ``encode_device``, ``backend``, ``dequant_cache``). ``bits`` and
+  ``codebook`` fall back to ``EXL3RT_VLLM_BITS`` / ``EXL3RT_VLLM_CODEBOOK``, then to 4 / mcg.
+
+``"mode"`` in the dict forces one of them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from ... import env
+from ...runtime.config import Exl3Config, Exl3ConfigError
+
+MODES = ("online", "checkpoint")
+#: keys of the dict that are not Exl3Config fields
+_META = ("quant_method", "mode")
+#: keys only a checkpoint's own quantization_config has (exl3rt and exllamav3 writers)
+_CHECKPOINT_KEYS = ("version", "quantizer", "head_bits", "calibration", "tensor_storage")
+
+
+def requested_mode(raw: Mapping[str, Any]) -> Optional[str]:
+    """``raw["mode"]`` checked, or None."""
+    mode = raw.get("mode")
+    if mode is None:
+        return None
+    if mode not in MODES:
+        raise Exl3ConfigError(f"quantization_config.mode={mode!r}: use 'online' (encode a BF16 checkpoint at load) "
+                              f"or 'checkpoint' (serve stored EXL3 codes), or leave it out")
+    return str(mode)
+
+
+def guess_mode(raw: Mapping[str, Any]) -> str:
+    """The mode from the dict alone (used until the checkpoint's files are looked at)."""
+    forced = requested_mode(raw)
+    if forced:
+        return forced
+    return "checkpoint" if any(k in raw for k in _CHECKPOINT_KEYS) else "online"
+
+
+def online_config(raw: Mapping[str, Any]) -> Exl3Config:
+    """The :class:`Exl3Config` of online mode (dict fields, then ``EXL3RT_VLLM_*``, then defaults).
+
+    ``progress`` is off (vLLM logs its own load progress). Unknown keys raise Exl3ConfigError naming them.
+    """
+    fields = {k: v for k, v in raw.items() if k not in _META}
+    if "bits" not in fields and env.VLLM_BITS.get() is not None:
+        fields["bits"] = env.VLLM_BITS.get()
+    if "codebook" not in fields and env.VLLM_CODEBOOK.get() is not None:
+        fields["codebook"] = env.VLLM_CODEBOOK.get()
+    fields.setdefault("progress", False)
+    try:
+        return Exl3Config.from_dict(fields)
+    except Exl3ConfigError as exc:
+        raise Exl3ConfigError(f"vLLM quantization_config for 'exl3': {exc}") from None
+
+
+def stored_linears(model_dir: str | os.PathLike[str]) -> Optional[set[str]]:
+    """Names of the EXL3 linears stored in ``model_dir`` (``<name>.trellis``), or None if it is not a local dir."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        return None
+    from ...util.tensorfiles import TensorFiles, TensorFileError
+
+    try:
+        names = TensorFiles(path).names()
+    except TensorFileError:
+        return None
+    return {n[: -len(".trellis")] for n in names if n.endswith(".trellis")}
+
+
+__all__ = ["MODES", "requested_mode", "guess_mode", "online_config", "stored_linears"]

@@ -1,0 +1,70 @@
+"""One vLLM start on a model with quantization="exl3": greedy tokens and the plugin's summary as JSON.
+
+Run in the vLLM venv (a fresh process per start, so a second run really is a second start):
+
+    python tests/vllm_e2e/serve_once.py MODEL OUT.json [--bits 4] [--online]
+
+Environment: EXL3RT_CACHE_DIR (the cache), VLLM_* as set by the caller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+PROMPTS = [[1, 5, 9, 12, 7], [1, 20, 3, 3, 17, 30, 8]]
+
+
+def _inspect(model):
+    from exl3rt.integrations.vllm.config import Exl3VllmConfig
+    from exl3rt.integrations.vllm.checkpoint_method import Exl3CheckpointLinearMethod
+    from exl3rt.integrations.vllm.online_method import Exl3OnlineLinearMethod
+    from vllm.model_executor.layers.linear import LinearBase
+
+    linears, ours, cfg = {}, 0, None
+    for name, mod in model.named_modules():
+        if isinstance(mod, LinearBase):
+            qm = type(mod.quant_method).__name__
+            linears[name] = qm
+            if isinstance(mod.quant_method, (Exl3OnlineLinearMethod, Exl3CheckpointLinearMethod)):
+                ours += 1
+                cfg = mod.quant_method.quant_config
+                linears[name] += ":" + ",".join(f"{m.name}@K{m.bits}" for m in mod.exl3)
+    summary = cfg.summary() if isinstance(cfg, Exl3VllmConfig) else {}
+    return {"linears": linears, "ours": ours, "summary": summary}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("out")
+    ap.add_argument("--bits", type=float, default=None)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    args = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    kw = {}
+    if args.bits is not None:
+        bits = int(args.bits) if float(args.bits).is_integer() else args.bits
+        kw["hf_overrides"] = {"quantization_config": {"quant_method": "exl3", "bits": bits}}
+    llm = LLM(model=args.model, quantization="exl3", dtype=args.dtype, enforce_eager=True, max_model_len=128,
+              skip_tokenizer_init=False, seed=0, **kw)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    info = llm.apply_model(_inspect)[0]
+    with open(args.out, "w") as f:
+        json.dump({"tokens": tokens, **info}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)  # skip vLLM's slow interpreter teardown

@@ -1,0 +1,124 @@
+"""End to end in real vLLM (the vLLM venv: .ci/vllm_e2e.sh); skipped where vLLM is not installed.
+
+Truth: exl3rt's own transformers path (``from_pretrained(..., quantization_config=Exl3Config)``) with the
+same bits/seed/cache, greedy, on the same tiny random Llama (BF16 checkpoint, peaked logits so the
+continuation is not one repeated token). Each vLLM start is its own process (tests/vllm/serve_once.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from tiny_models import tiny_llama  # noqa: E402
+from serve_once import PROMPTS  # noqa: E402  (no vLLM import at module level)
+
+BITS = 4
+MAX_TOKENS = 16
+
+
+def _serve(model: Path, cache: Path, out: Path, *extra: str) -> dict:
+    env = dict(os.environ, EXL3RT_CACHE_DIR=str(cache), VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    cmd = [sys.executable, str(HERE / "serve_once.py"), str(model), str(out), "--max-tokens", str(MAX_TOKENS), *extra]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"vLLM run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return json.loads(out.read_text())
+
+
+def _hf_tokens(model: Path, config) -> tuple[list[list[int]], dict]:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.bfloat16, quantization_config=config)
+    out = []
+    for p in PROMPTS:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            g = m.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS)
+        out.append(g[0, len(p):].tolist())
+    return out, m.hf_quantizer.summary()
+
+
+@pytest.fixture(scope="module")
+def bf16_llama(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("m") / "llama", init_std=0.5, dtype=torch.bfloat16)
+
+
+def test_online_exl3_matches_transformers_and_hits_cache(bf16_llama, tmp_path):
+    import exl3rt
+
+    cache = tmp_path / "cache"
+    first = _serve(bf16_llama, cache, tmp_path / "r1.json", "--bits", str(BITS))
+    # every linear of the model went through the plugin, one EXL3 matrix per checkpoint linear
+    assert first["linears"] and all(v.startswith("Exl3OnlineLinearMethod:") for v in first["linears"].values()), first["linears"]
+    names = [n.split("@")[0] for v in first["linears"].values() for n in v.split(":", 1)[1].split(",")]
+    assert len(names) == 7 * 2 and "model.layers.0.self_attn.k_proj" in names
+    online = first["summary"]["online"]
+    assert (online["misses"], online["hits"]) == (14, 0)
+    assert len(list((cache / "v1").rglob("*.safetensors"))) == 14
+
+    second = _serve(bf16_llama, cache, tmp_path / "r2.json", "--bits", str(BITS))
+    assert (second["summary"]["online"]["misses"], second["summary"]["online"]["hits"]) == (0, 14)
+    assert second["tokens"] == first["tokens"]
+
+    # exl3rt's transformers path on the same cache: the keys are the same, so it encodes nothing
+    cfg = exl3rt.Exl3Config(bits=BITS, cache_dir=str(cache), progress=False)
+    hf_tokens, summary = _hf_tokens(bf16_llama, cfg)
+    assert summary["misses"] == 0 and summary["hits"] == 14
+    assert len({t for seq in hf_tokens for t in seq}) >= 4, f"degenerate continuation {hf_tokens}: not a useful check"
+    assert first["tokens"] == hf_tokens
+
+
+def _swap_in_checkpoint(model, ckpt_dir: Path) -> int:
+    """Replace every nn.Linear stored in the EXL3 checkpoint by exl3rt's Exl3Linear of the stored codes."""
+    from exl3rt.format.checkpoint import Exl3Checkpoint
+    from exl3rt.runtime.linear import Exl3Linear
+
+    ckpt = Exl3Checkpoint(ckpt_dir)
+    n = 0
+    for name, enc in ckpt.iter_linears():
+        parent, _, child = name.rpartition(".")
+        old = model.get_submodule(name)
+        enc.in_features, enc.out_features = old.in_features, old.out_features
+        setattr(model.get_submodule(parent), child, Exl3Linear.from_encoded(enc, name=name))
+        n += 1
+    return n
+
+
+def test_prequantized_checkpoint_matches_transformers(bf16_llama, tmp_path):
+    from exl3rt.convert.run import convert_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    ckpt = tmp_path / "exl3"
+    convert_checkpoint(bf16_llama, ckpt, bits=BITS, head_bits=16, progress=False)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bf16_llama / f, ckpt / f)
+    got = _serve(ckpt, tmp_path / "unused-cache", tmp_path / "r.json")
+    assert got["summary"]["mode"] == "checkpoint"
+    assert len(got["linears"]) == 8
+    assert all(v.startswith("Exl3CheckpointLinearMethod:") for v in got["linears"].values()), got["linears"]
+    assert not (tmp_path / "unused-cache").exists()  # nothing encoded, no cache touched
+
+    # truth: transformers with exl3rt's Exl3Linear built from the stored codes
+    model = AutoModelForCausalLM.from_pretrained(str(bf16_llama), dtype=torch.bfloat16)
+    assert _swap_in_checkpoint(model, ckpt) == 14
+    want = []
+    for p in PROMPTS:
+        with torch.no_grad():
+            g = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                               min_new_tokens=MAX_TOKENS)
+        want.append(g[0, len(p):].tolist())
+    assert len({t for seq in want for t in seq}) >= 4, f"degenerate continuation {want}"
+    assert got["tokens"] == want
