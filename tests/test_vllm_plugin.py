@@ -21,7 +21,7 @@ from exl3rt.runtime.config import Exl3ConfigError
 
 def test_importing_exl3rt_and_the_plugin_package_does_not_import_vllm():
     code = ("import sys, exl3rt, exl3rt.integrations.vllm, exl3rt.integrations.vllm.shards, "
-            "exl3rt.integrations.vllm.slicing, exl3rt.integrations.vllm.settings; "
+            "exl3rt.integrations.vllm.slicing, exl3rt.integrations.vllm.settings, exl3rt.integrations.vllm.experts; "
             "print('vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -132,3 +132,188 @@ def test_online_encoder_rank_local_keys(tmp_path, monkeypatch):
     assert (whole.tp_size, whole.tp_rank, whole.tp_bounds) == (1, 0, (0, 0, 0, 0))
     assert (piece.tp_size, piece.tp_rank, piece.tp_bounds) == (2, 1, (128, 256, 0, 128))
     assert (piece.out_features, piece.in_features) == (128, 128) and piece.digest() != whole.digest()
+
+
+# ---- MoE experts (integrations/vllm/experts.py) ----------------------------------------------------------
+def _expert_linears(h: int, i: int, k: int, seed: int, gated: bool = True) -> dict:
+    from exl3rt.format.encoded import EncodedLinear
+    from exl3rt.runtime.linear import Exl3Linear
+
+    out = {}
+    for j, (p, (fin, fout)) in enumerate((("gate_proj", (h, i)), ("up_proj", (h, i)), ("down_proj", (i, h)))):
+        if p == "gate_proj" and not gated:
+            continue
+        t, suh, svh = _random_codes(fin, fout, k, seed * 10 + j)
+        enc = EncodedLinear(trellis=t, suh=suh / 64, svh=svh / 64, codebook="mcg", in_features=fin, out_features=fout)
+        out[p] = Exl3Linear.from_encoded(enc, name=f"experts.{seed}.{p}")
+    return out
+
+
+class _Scope:
+    """An owner scope (a model or config in real use)."""
+
+
+def _moe_runner(experts, *, top_k=2, max_batched=64, moe_runtime=None, warmed=None, cache=None, scope=None):
+    from exl3rt.integrations.vllm.experts import Exl3VllmMoE
+    from exl3rt.moe import MoERuntimeCache, MoESettings, Owner, reference_launch_factory
+
+    h = experts[0]["up_proj"].in_features
+    i = experts[0]["up_proj"].out_features
+    return Exl3VllmMoE("model.layers.0.mlp.experts", experts, hidden=h, intermediate=i, top_k=top_k,
+                       settings=MoESettings(max_batched=max_batched, max_decode_m=4),
+                       cache=cache or MoERuntimeCache(reference_launch_factory),
+                       owner=Owner.of(scope or _Scope()),
+                       moe_runtime=moe_runtime, warmed=warmed)
+
+
+def _routes(t: int, e: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int64)
+    w = torch.softmax(torch.randn(t, k, generator=g), -1)
+    return ids, w
+
+
+def test_expert_slice_bounds_keys_and_block_errors():
+    from exl3rt.integrations.vllm.experts import expert_slice
+    from exl3rt.moe import rank_bounds
+
+    whole = expert_slice("m.experts", 128, 768, 1, 0)
+    assert whole.is_whole and whole.tp("gate_proj") is None and whole.tp("down_proj") is None
+    sl = expert_slice("m.experts", 128, 768, 3, 2, require_blocks=True)   # 256 per rank: the 128-block split
+    assert (sl.i0, sl.i1) == (512, 768) == rank_bounds(768, 3, 2)
+    assert sl.tp("up_proj") == (3, 2, (512, 768, 0, 128))               # rows of the HF [I, H] weight
+    assert sl.tp("down_proj") == (3, 2, (0, 128, 512, 768))             # columns of the HF [H, I] weight
+    odd = expert_slice("m.experts", 128, 768, 4, 1)                     # 192 per rank: online encodes it
+    assert (odd.i0, odd.i1) == (192, 384) and not odd.block_aligned
+    with pytest.raises(ShardError, match=r"rank 1 expert intermediate columns \[192, 384\).*multiples of 128"):
+        expert_slice("m.experts", 128, 768, 4, 1, require_blocks=True)
+    with pytest.raises(ShardError, match="does not split evenly over 5"):
+        expert_slice("m.experts", 128, 768, 5, 0)
+
+
+def test_expert_bits_follow_the_transformers_precedence():
+    from exl3rt.integrations.vllm.experts import expert_bits
+    from exl3rt.runtime.config import Exl3Config
+    from exl3rt.runtime.router_stats import TopRouted
+
+    name = "model.layers.0.mlp.experts"
+    cfg = Exl3Config(bits=3, bits_for={"*.experts.*.down_proj": 5},
+                     expert_bits={"model.layers.*.mlp.experts": {"default": 4, "experts": {2: 6}}})
+    bits = expert_bits(cfg, name, 4)
+    assert bits[0] == {"gate_proj": 4, "up_proj": 4, "down_proj": 4}   # the expert default wins over bits_for
+    assert bits[2] == {"gate_proj": 6, "up_proj": 6, "down_proj": 6}
+    assert expert_bits(Exl3Config(bits=3, bits_for={"*.down_proj": 5}), name, 2)[1]["down_proj"] == 5
+    assert expert_bits(Exl3Config(ignore=["*.mlp.experts"]), name, 4) is None
+    assert expert_bits(Exl3Config(ignore=["*.experts.*"]), name, 4) is None
+    with pytest.raises(ShardError, match=r"experts.1.gate_proj.*ignore all of them"):
+        expert_bits(Exl3Config(ignore=["*.experts.1.*"]), name, 4)
+    with pytest.raises(Exl3ConfigError, match="router statistics"):
+        expert_bits(Exl3Config(expert_bits_rule=TopRouted(high=4, low=3, fraction=0.25, tokens=64)), name, 4)
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_moe_runtime_equals_the_per_route_loop_plans_once_and_warms(ids_dtype):
+    from exl3rt.integrations.vllm.experts import VllmExpert
+    from exl3rt.moe.tp import moe_partial
+
+    experts = [VllmExpert(_expert_linears(128, 256, k, e), expert=e) for e, k in enumerate((3, 4, 3, 4))]
+    warmed: set[int] = set()
+    scope = _Scope()
+    runner = _moe_runner(experts, warmed=warmed, scope=scope)
+    assert runner.path == "runtime ((3, 2), (4, 2))"
+    x = torch.randn(150, 128, generator=torch.Generator().manual_seed(1))   # > max_batched=64: chunks
+    ids, w = _routes(150, 4, 2)
+    want = moe_partial(x, ids, w, experts).to(x.dtype)
+    torch.testing.assert_close(runner(x, ids.to(ids_dtype), w), want, rtol=1e-4, atol=1e-4)
+    assert runner.layer.planned and len(runner.layer.runtimes()) == 1      # ids run as int32: one runtime
+    assert runner.warmed > 0 and len(warmed) == 1
+    assert runner.launch_kinds() == {"decode": "ReferenceLaunch", "prefill": "ReferenceLaunch"}
+    torch.testing.assert_close(runner(x[:3], ids[:3], w[:3]), want[:3], rtol=1e-4, atol=1e-4)  # decode plan
+    # a second layer with the same key shares the runtime: planned, not warmed again
+    other = _moe_runner(experts, warmed=warmed, cache=runner.layer.cache, scope=scope)
+    assert other.plan(x.device, x.dtype) == 0 and other.layer.runtimes() == runner.layer.runtimes()
+
+
+def test_moe_mixed_k_expert_falls_back_to_the_loop_or_raises():
+    from exl3rt.integrations.vllm.experts import VllmExpert
+    from exl3rt.moe.tp import moe_partial
+    from exl3rt.runtime.policy import PolicyError
+
+    mixed = _expert_linears(128, 128, 3, 0)
+    mixed["down_proj"] = _expert_linears(128, 128, 5, 9)["down_proj"]
+    experts = [VllmExpert(mixed, expert=0), VllmExpert(_expert_linears(128, 128, 3, 1), expert=1)]
+    runner = _moe_runner(experts, top_k=1)
+    assert runner.layer is None and runner.path.startswith("loop: expert 0 mixes bitrates")
+    x = torch.randn(5, 128)
+    ids, w = _routes(5, 2, 1)
+    torch.testing.assert_close(runner(x, ids, w), moe_partial(x, ids, w, experts).to(x.dtype))
+    with pytest.raises(PolicyError, match="expert 0 mixes bitrates"):
+        _moe_runner(experts, top_k=1, moe_runtime=True)
+    never = _moe_runner([experts[1], experts[1]], top_k=1, moe_runtime=False)
+    assert never.path == "loop: Exl3Config.moe_runtime=False"
+
+
+def test_moe_reference_path_refuses_cuda_graph_capture(monkeypatch):
+    import exl3rt.integrations.vllm.experts as ex
+
+    runner = _moe_runner([ex.VllmExpert(_expert_linears(128, 128, 3, e), expert=e) for e in range(2)], top_k=1)
+    x = torch.randn(2, 128)
+    ids, w = _routes(2, 2, 1)
+    runner(x, ids, w)                                   # the eager pass plans
+    monkeypatch.setattr(ex, "is_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph.*enforce_eager=True"):
+        runner(x, ids, w)
+
+
+def test_tp_rank_partials_sum_to_the_whole_expert():
+    """Rank r of 2 holds intermediate columns [128r, 128(r+1)) of every expert (vLLM's split, equal to
+    exl3rt.moe.rank_bounds); the sum of the ranks' outputs (vLLM's all-reduce) is the whole layer."""
+    from exl3rt.format.encoded import EncodedLinear
+    from exl3rt.integrations.vllm.experts import VllmExpert, expert_slice
+    from exl3rt.moe import slice_encoded
+    from exl3rt.runtime.linear import Exl3Linear
+
+    full = [_expert_linears(128, 256, 4, e) for e in range(3)]
+    x = torch.randn(7, 128, generator=torch.Generator().manual_seed(3))
+    ids, w = _routes(7, 3, 2, seed=4)
+    want = _moe_runner([VllmExpert(f, expert=e) for e, f in enumerate(full)])(x, ids, w)
+    total = torch.zeros_like(x)
+    for rank in range(2):
+        sl = expert_slice("m.experts", 128, 256, 2, rank, require_blocks=True)
+        experts = []
+        for e, f in enumerate(full):
+            lin = {}
+            for p, m in f.items():
+                enc = EncodedLinear(trellis=m.trellis, suh=m.suh, svh=m.svh, codebook=m.codebook,
+                                    in_features=m.in_features, out_features=m.out_features)
+                lin[p] = Exl3Linear.from_encoded(slice_encoded(enc, 0 if p == "down_proj" else 1, sl.i0, sl.i1))
+            experts.append(VllmExpert(lin, expert=e))
+        total += _moe_runner(experts)(x, ids, w)
+    torch.testing.assert_close(total, want, rtol=1e-3, atol=1e-3)
+
+
+def test_online_encoder_rank_local_expert_keys(tmp_path, monkeypatch):
+    from exl3rt.integrations.vllm.experts import expert_slice
+    from exl3rt.runtime.config import Exl3Config
+    from exl3rt.runtime.online import OnlineEncoder
+
+    seen = []
+
+    def fake_load_or_encode(key, encode, *, device, name):
+        seen.append((name, key))
+        raise RuntimeError("stop")
+
+    enc = OnlineEncoder(Exl3Config(bits=4, cache_dir=str(tmp_path), progress=False))
+    monkeypatch.setattr(enc.cache, "load_or_encode", fake_load_or_encode)
+    gate, down = torch.randn(256, 128, dtype=torch.bfloat16), torch.randn(128, 256, dtype=torch.bfloat16)
+    for tp_size, rank in ((1, 0), (2, 1)):
+        sl = expert_slice("model.layers.0.mlp.experts", 128, 256, tp_size, rank)
+        for p, piece in (("gate_proj", gate[sl.i0:sl.i1]), ("down_proj", down[:, sl.i0:sl.i1])):
+            with pytest.raises(RuntimeError, match="stop"):
+                enc.encode(f"model.layers.0.mlp.experts.3.{p}", piece, 4, tp=sl.tp(p))
+    (n0, g1), (_, d1), (_, g2), (_, d2) = seen
+    assert n0 == "model.layers.0.mlp.experts.3.gate_proj"
+    assert (g1.tp_size, g1.tp_rank, g1.tp_bounds) == (1, 0, (0, 0, 0, 0))    # TP=1: the transformers path's key
+    assert (g2.tp_size, g2.tp_rank, g2.tp_bounds) == (2, 1, (128, 256, 0, 128))
+    assert (d2.tp_size, d2.tp_rank, d2.tp_bounds) == (2, 1, (0, 128, 128, 256))
+    assert (d2.out_features, d2.in_features) == (128, 128) and d2.digest() != d1.digest()

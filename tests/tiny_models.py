@@ -52,14 +52,25 @@ def tiny_llama(path: Path, *, hidden: int = 128, intermediate: int = 200, layers
     return path
 
 
-def tiny_qwen_moe(path: Path, *, layers: int = 2, experts: int = 4, seed: int = 0) -> Path:
-    """A random Qwen3-MoE (4 experts, top-2) saved as safetensors (per-expert linears on disk)."""
+def tiny_qwen_moe(path: Path, *, layers: int = 2, experts: int = 4, seed: int = 0, init_std: float | None = None,
+                  dtype: torch.dtype | None = None, tokenizer: bool = False) -> Path:
+    """A random Qwen3-MoE (4 experts, top-2) saved as safetensors (per-expert linears on disk).
+
+    ``init_std``/``dtype`` as in :func:`tiny_llama`; ``tokenizer`` also saves the word-level tokenizer
+    (vLLM needs one).
+    """
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                          num_experts=experts, num_experts_per_tok=2, vocab_size=64, max_position_embeddings=128,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    Qwen3MoeForCausalLM(cfg).eval().save_pretrained(str(path), safe_serialization=True)
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                         **({} if init_std is None else {"initializer_range": init_std}))
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(str(path), safe_serialization=True)
+    if tokenizer:
+        save_tokenizer(path)
     return path

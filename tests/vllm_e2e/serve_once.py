@@ -24,10 +24,20 @@ def _inspect(model):
     from exl3rt.integrations.vllm.config import Exl3VllmConfig
     from exl3rt.integrations.vllm.checkpoint_method import Exl3CheckpointLinearMethod
     from exl3rt.integrations.vllm.online_method import Exl3OnlineLinearMethod
+    from exl3rt.integrations.vllm.moe_method import Exl3OnlineMoEMethod
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.linear import LinearBase
 
-    linears, ours, cfg = {}, 0, None
+    linears, experts, ours, cfg = {}, {}, 0, None
     for name, mod in model.named_modules():
+        if isinstance(mod, RoutedExperts):
+            qm = mod.quant_method
+            experts[name] = type(qm).__name__
+            if isinstance(qm, Exl3OnlineMoEMethod):
+                cfg = qm.quant_config
+                experts[name] += ":" + ",".join(f"{m.name}@K{m.bits}" for d in mod.exl3_experts for m in d.values())
+                experts[name] += "|" + mod.exl3_moe.path + "|" + json.dumps(mod.exl3_moe.launch_kinds())
+            continue
         if isinstance(mod, LinearBase):
             qm = type(mod.quant_method).__name__
             linears[name] = qm
@@ -36,7 +46,7 @@ def _inspect(model):
                 cfg = mod.quant_method.quant_config
                 linears[name] += ":" + ",".join(f"{m.name}@K{m.bits}" for m in mod.exl3)
     summary = cfg.summary() if isinstance(cfg, Exl3VllmConfig) else {}
-    return {"linears": linears, "ours": ours, "summary": summary}
+    return {"linears": linears, "experts": experts, "ours": ours, "summary": summary}
 
 
 def main() -> None:

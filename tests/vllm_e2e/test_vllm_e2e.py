@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from tiny_models import tiny_llama  # noqa: E402
+from tiny_models import tiny_llama, tiny_qwen_moe  # noqa: E402
 from serve_once import PROMPTS  # noqa: E402  (no vLLM import at module level)
 
 BITS = 4
@@ -39,6 +39,7 @@ def _serve(model: Path, cache: Path, out: Path, *extra: str) -> dict:
 
 
 def _hf_tokens(model: Path, config) -> tuple[list[list[int]], dict]:
+    """Greedy tokens of exl3rt's transformers path (``from_pretrained(..., quantization_config=config)``)."""
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.bfloat16, quantization_config=config)
@@ -122,3 +123,48 @@ def test_prequantized_checkpoint_matches_transformers(bf16_llama, tmp_path):
         want.append(g[0, len(p):].tolist())
     assert len({t for seq in want for t in seq}) >= 4, f"degenerate continuation {want}"
     assert got["tokens"] == want
+
+
+# ---- MoE: online EXL3 through vLLM's fused-MoE method API -------------------------------------------------
+MOE_LAYERS, MOE_EXPERTS = 2, 4
+
+
+@pytest.fixture(scope="module")
+def bf16_qwen_moe(tmp_path_factory) -> Path:
+    return tiny_qwen_moe(tmp_path_factory.mktemp("m") / "qwen_moe", layers=MOE_LAYERS, experts=MOE_EXPERTS,
+                         init_std=0.5, dtype=torch.bfloat16, tokenizer=True)
+
+
+def test_online_moe_matches_transformers_and_hits_cache(bf16_qwen_moe, tmp_path):
+    """Tiny Qwen3-MoE, BF16: every expert matrix is encoded by the plugin's fused-MoE method (one EXL3 matrix
+    per expert projection) and run through an exl3rt.moe layer runtime; the cache entries are those of the
+    transformers path (equal keys at TP=1), a second start encodes nothing, and the greedy tokens are equal."""
+    import exl3rt
+
+    cache = tmp_path / "cache"
+    n_experts = MOE_LAYERS * MOE_EXPERTS * 3
+    n_total = n_experts + MOE_LAYERS * 4  # + q, k, v, o
+    first = _serve(bf16_qwen_moe, cache, tmp_path / "r1.json", "--bits", str(BITS))
+    experts = first["experts"]
+    assert len(experts) == MOE_LAYERS and all(v.startswith("Exl3OnlineMoEMethod:") for v in experts.values()), experts
+    names = [n.split("@")[0] for v in experts.values() for n in v.split(":", 1)[1].split("|")[0].split(",")]
+    assert len(names) == n_experts == len(set(names)) and "model.layers.1.mlp.experts.3.down_proj" in names
+    assert all(v.split("|")[1] == f"runtime (({BITS}, {MOE_EXPERTS}),)" for v in experts.values()), experts
+    assert set(first["summary"]["moe"]) == {f"model.layers.{i}.mlp.experts" for i in range(MOE_LAYERS)}
+    routers = {n for n in first["linears"] if n.endswith(".mlp.gate")}
+    assert len(routers) == MOE_LAYERS and all(first["linears"][n] == "UnquantizedLinearMethod" for n in routers)
+    assert all(v.startswith("Exl3OnlineLinearMethod:") for n, v in first["linears"].items() if n not in routers)
+    online = first["summary"]["online"]
+    assert (online["misses"], online["hits"]) == (n_total, 0)
+
+    # exl3rt's transformers path on the same cache: equal keys, so nothing is encoded; equal tokens
+    cfg = exl3rt.Exl3Config(bits=BITS, cache_dir=str(cache), progress=False)
+    hf_tokens, summary = _hf_tokens(bf16_qwen_moe, cfg)
+    assert (summary["misses"], summary["hits"]) == (0, n_total)
+    assert all(v.startswith("runtime") for v in summary["moe"].values()), summary["moe"]
+    assert len({t for seq in hf_tokens for t in seq}) >= 4, f"degenerate continuation {hf_tokens}: not a useful check"
+    assert first["tokens"] == hf_tokens
+
+    second = _serve(bf16_qwen_moe, cache, tmp_path / "r2.json", "--bits", str(BITS))
+    assert (second["summary"]["online"]["misses"], second["summary"]["online"]["hits"]) == (0, n_total)
+    assert second["tokens"] == first["tokens"]

@@ -37,6 +37,22 @@ def moe_layers(model: torch.nn.Module) -> list[tuple[str, MoELayerRuntime]]:
     return out
 
 
+def warm_layer(layer: MoELayerRuntime, done: set[int]) -> int:
+    """Warm every specialization of ``layer``'s runtimes not in ``done`` (runtime ids; updated): each
+    plan, each row bucket, route ids int32 and int64; a runtime shared by several layers is warmed once."""
+    n = 0
+    for runtime in layer.runtimes():
+        if id(runtime) in done:
+            continue
+        done.add(id(runtime))
+        for plan in runtime.policy.plans:
+            launch = runtime.launch_for(plan)
+            for rows in plan.row_buckets():
+                for ids_dtype in ID_DTYPES:
+                    n += int(launch.warmup(rows, ids_dtype))
+    return n
+
+
 def prewarm(model: torch.nn.Module) -> int:
     """Warm every reachable specialization of every planned MoE runtime in ``model``; returns the count.
 
@@ -50,18 +66,10 @@ def prewarm(model: torch.nn.Module) -> int:
                 f"must plan every MoE layer (one forward, or MoELayerRuntime.plan(...)) before kernel prewarm")
     warmed, done = 0, set()
     for _, layer in layers:
-        for runtime in layer.runtimes():
-            if id(runtime) in done:
-                continue
-            done.add(id(runtime))
-            for plan in runtime.policy.plans:
-                launch = runtime.launch_for(plan)
-                for rows in plan.row_buckets():
-                    for ids_dtype in ID_DTYPES:
-                        warmed += int(launch.warmup(rows, ids_dtype))
+        warmed += warm_layer(layer, done)
     if layers:
         log.info("EXL3 MoE prewarm: %d specializations over %d layers (%d runtimes)", warmed, len(layers), len(done))
     return warmed
 
 
-__all__ = ["moe_layers", "prewarm"]
+__all__ = ["moe_layers", "prewarm", "warm_layer"]

@@ -16,6 +16,8 @@ from vllm.model_executor.layers.linear import (  # noqa: F401
     UnquantizedLinearMethod,
     register_weight_loader_v2_supported_method,
 )
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase  # noqa: F401
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts  # noqa: F401
 from vllm.model_executor.layers.quantization import (  # noqa: F401
     QUANTIZATION_METHODS,
     register_quantization_config,

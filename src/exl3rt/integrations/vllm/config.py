@@ -15,7 +15,7 @@ import torch
 from ...convert.plan import HEAD
 from ...runtime.config import Exl3Config
 from ...runtime.policy import is_embedding_name, is_router_name
-from ._compat import LinearBase, QuantizationConfig, QuantizeMethodBase, UnquantizedLinearMethod
+from ._compat import LinearBase, QuantizationConfig, QuantizeMethodBase, RoutedExperts, UnquantizedLinearMethod
 from .settings import guess_mode, online_config, requested_mode, stored_linears
 from .shards import ShardError, shard_names
 
@@ -34,12 +34,18 @@ class Exl3VllmConfig(QuantizationConfig):
         self.online: Optional[Exl3Config] = online_config(self.raw) if self.mode == "online" else None
         self.stored: Optional[set[str]] = None  # EXL3 linears in the checkpoint (None: not looked at)
         self.layers: dict[str, str] = {}        # prefix -> mode, filled as layers are processed
+        self.moe_paths: dict[str, str] = {}     # experts prefix -> "runtime <tiers>" | "loop: <reason>"
+        self.moe_warmed: set[int] = set()       # ids of MoE runtimes warmed in this process
         self._encoder = None
+        self._moe_cache = None
 
     # ---- pickling: the encoder (cache handles, stats) is per process --------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_encoder"] = None
+        state["_moe_cache"] = None
+        state["moe_warmed"] = set()
+        state.pop("_exl3rt_moe_scope", None)  # exl3rt.moe owner token: per process
         return state
 
     # ---- vLLM's QuantizationConfig interface ------------------------------------------------------
@@ -87,11 +93,14 @@ class Exl3VllmConfig(QuantizationConfig):
         self.mode, self.stored = mode, stored
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
+        if isinstance(layer, RoutedExperts):
+            if self.mode == "checkpoint":
+                raise NotImplementedError(f"{prefix}: pre-quantized EXL3 MoE experts are not supported by the exl3rt "
+                                          f"vLLM plugin yet (online mode and dense checkpoints are); serve the BF16 "
+                                          f"checkpoint with online EXL3, or this one with exl3rt's transformers path")
+            return self._online_moe_method(layer, prefix)
         if not isinstance(layer, LinearBase):
-            if type(layer).__name__ == "RoutedExperts" and self.mode == "checkpoint":
-                raise NotImplementedError(f"{prefix}: EXL3 MoE experts are not supported by the exl3rt vLLM plugin "
-                                          f"yet (dense models only); serve this model with exl3rt's transformers path")
-            return None  # embeddings, the head, experts: vLLM's unquantized methods
+            return None  # embeddings, the head: vLLM's unquantized methods
         names = shard_names(prefix, self.packed_modules_mapping) or [prefix]
         if self.mode == "checkpoint":
             return self._checkpoint_method(prefix, names)
@@ -112,6 +121,19 @@ class Exl3VllmConfig(QuantizationConfig):
                              f"ignore all of them or none (quantization_config ignore patterns)")
         bits = [cfg.bits_for_module(n) for n in names]
         return Exl3OnlineLinearMethod(self, prefix, names, bits)
+
+    def _online_moe_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
+        from .experts import GATED, UNGATED, activation, expert_bits
+        from .moe_method import Exl3OnlineMoEMethod, _activation_name
+
+        cfg = self.online
+        assert cfg is not None
+        moe = layer.moe_config
+        gated, _ = activation(_activation_name(moe), prefix)
+        bits = expert_bits(cfg, prefix, int(moe.num_logical_experts), GATED if gated else UNGATED)
+        if bits is None:
+            return None  # ignored: vLLM's unquantized fused-MoE method
+        return Exl3OnlineMoEMethod(self, prefix, moe, bits)
 
     def _checkpoint_method(self, prefix: str, names: list[str]) -> QuantizeMethodBase:
         from .checkpoint_method import Exl3CheckpointLinearMethod
@@ -140,12 +162,34 @@ class Exl3VllmConfig(QuantizationConfig):
             self._encoder = OnlineEncoder(self.online)
         return self._encoder
 
+    # ---- MoE ----------------------------------------------------------------------------------------
+    def moe_cache(self):
+        """This process's :class:`~exl3rt.moe.MoERuntimeCache` (layers with equal keys share launches)."""
+        if self._moe_cache is None:
+            from ...moe import MoERuntimeCache, auto_launch_factory
+
+            self._moe_cache = MoERuntimeCache(auto_launch_factory)
+        return self._moe_cache
+
+    def moe_owner(self, prefix: str):
+        from ...moe import Owner
+
+        return Owner.of(self, prefix)
+
+    def moe_settings(self, max_batched: int):
+        """Plans for ``max_batched`` rows (vLLM's ``max_num_batched_tokens``); ``EXL3RT_MOE_*`` tune the rest."""
+        from ...moe import MoESettings
+
+        return MoESettings.from_env(max_batched=max_batched)
+
     def note_layer(self, prefix: str, how: str) -> None:
         self.layers[prefix] = how
 
     def summary(self) -> dict[str, Any]:
         """Layers served by the plugin in this process, and the encoder's counters (online mode)."""
         out: dict[str, Any] = {"mode": self.mode, "layers": dict(self.layers)}
+        if self.moe_paths:
+            out["moe"] = dict(self.moe_paths)
         if self._encoder is not None:
             out["online"] = self._encoder.summary()
         return out
