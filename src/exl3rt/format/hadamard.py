@@ -35,6 +35,12 @@ def hadamard_128(dtype: torch.dtype = torch.float32, device: torch.device | str 
     return h.to(dtype=dtype, device=device)
 
 
+@functools.lru_cache(maxsize=None)
+def _hadamard_cached(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The scaled matrix, built once per (dtype, device); only :func:`hadamard_blocks` uses it (never mutated)."""
+    return hadamard_128(dtype, device)
+
+
 def hadamard_blocks(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Apply the scaled 128-block Hadamard along ``dim`` (length must be a multiple of 128).
 
@@ -45,6 +51,6 @@ def hadamard_blocks(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         raise FormatError(f"hadamard: dimension {dim} has length {n}, not a multiple of {HAD_BLOCK}; pad it first")
     xt = x.movedim(dim, -1)
     shape = xt.shape
-    h = hadamard_128(xt.dtype, xt.device)
+    h = _hadamard_cached(xt.dtype, xt.device)
     y = (xt.reshape(*shape[:-1], n // HAD_BLOCK, HAD_BLOCK) @ h).reshape(shape)
     return y.movedim(-1, dim)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..util.ints import next_pow2
 from ._triton import HAVE_TRITON, tl, triton
 
 if HAVE_TRITON:
@@ -57,19 +58,15 @@ if HAVE_TRITON:
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
-
-
 def had(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, pre: bool, splits: int = 1,
         stride_split: int = 0) -> torch.Tensor:
     """pre: out = (x ⊙ scale)·H per 128-block; post: out = (Σ_split x[split])·H ⊙ scale. One launch."""
     rows, n = out.shape
     # post-pass: at most 4 rows per program (more programs, each summing SB splits per load: ~64
     # fp32 of the [SB, BR, 128] block per thread); the pre-pass reads one value per element
-    br = min(16 if pre else 4, _next_pow2(rows))
+    br = min(16 if pre else 4, next_pow2(rows))
     warps = 1 if br <= 2 else 4
-    sb = 1 if pre else min(max(1, (64 * 32 * warps) // (br * 128)), _next_pow2(splits))
+    sb = 1 if pre else min(max(1, (64 * 32 * warps) // (br * 128)), next_pow2(splits))
     grid = (triton.cdiv(rows, br), n // 128)
     _had_kernel[grid](x, scale, out, rows, n, splits, stride_split, PRE=pre, BR=br, SB=sb, num_warps=warps)
     return out

@@ -31,6 +31,7 @@ from .. import env
 from ..format.bits import Bits, bits_from_trellis, is_half
 from ..format.codebooks import check_codebook
 from ..format.errors import FormatError
+from ..util.ints import next_pow2
 from . import mma as _mm
 from . import gemv as _g
 from .hadamard import had as _had
@@ -83,7 +84,7 @@ DEFAULT_GEMV = GemvConfig(nt=4, num_warps=1, target_programs=8448)  # best of 16
 def default_gemv_config(rows: int) -> GemvConfig:
     """Per row block: each thread holds (nt·8)/(32·warps) groups of 32 weights; x' loads cost 16·BM
     per k-tile and thread, so more rows want more groups per thread (2-4), fewer warps."""
-    bm = min(GEMV_MAX_ROWS, _next_pow2(rows))
+    bm = min(GEMV_MAX_ROWS, next_pow2(rows))
     if bm == 1:
         return DEFAULT_GEMV
     if bm <= 4:
@@ -105,10 +106,6 @@ def _cb_args(codebook: str) -> tuple[int, int, int]:
 
 def _use_asm(device: torch.device) -> bool:
     return device.type == "cuda" and not interpreting() and not env.KERNEL_NO_ASM.get()
-
-
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
 
 
 def _check(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> tuple[int, int, Bits]:
@@ -149,7 +146,7 @@ def gemv_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str,
     cfg = cfg or default_gemv_config(rows)
     in_tiles, tn, nt, (ka, half), (cb, mult, add) = _geometry(trellis, codebook, cfg.nt)
     n_blocks = tn // nt
-    bm = min(GEMV_MAX_ROWS, _next_pow2(rows))
+    bm = min(GEMV_MAX_ROWS, next_pow2(rows))
     splits, k_per = gemv_splits(in_tiles, n_blocks, cfg.target_programs)
     z = torch.empty((splits, rows, tn * 16), dtype=torch.float32, device=xh.device)
     grid = (n_blocks, splits, triton.cdiv(rows, bm))
@@ -186,13 +183,9 @@ def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Opt
     grid = (n_blocks, splits, m_blocks)
     _mm._mma_kernel[grid](xh, trellis.view(torch.int32), z, rows, in_tiles, tn, k_per, xh.stride(0), z.stride(0), 1,
                           KA=ka, HALF=half, CB=cb, MULT=mult, ADD=add, NT=nt // warps, WARPS=warps,
-                          NWL=_mm.words_per_lane(kbits_of(ka, half)), ASM=_use_asm(xh.device), num_warps=warps,
+                          NWL=_mm.words_per_lane(bits_from_trellis(trellis)), ASM=_use_asm(xh.device), num_warps=warps,
                           num_stages=cfg.num_stages)
     return z
-
-
-def kbits_of(ka: int, half: int) -> Bits:
-    return ka + 0.5 if half else ka
 
 
 PATHS = ("auto", "gemv", "mma", "decode_mm")
@@ -263,7 +256,7 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def specialization(rows: int) -> tuple:
     """The kernel specializations ``exl3_linear`` uses for ``rows`` (per layer shape, K and codebook):
     the path and the Hadamard passes' row block (the kernels do not specialize on ``rows`` itself)."""
-    return (choose_path(rows), min(16, _next_pow2(rows)))
+    return (choose_path(rows), min(16, next_pow2(rows)))
 
 
 PREWARM_ROWS = (1, 2, 3, 8, 16, 32)  # one row count per bucket of :func:`specialization`

@@ -30,12 +30,12 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..format.bits import Bits, bits_from_trellis
-import functools
-
-from ..format.hadamard import hadamard_128
-from ._triton import HAVE_TRITON, tl, triton
+from ..format.bits import bits_from_trellis
+from ..format.hadamard import hadamard_blocks
+from ..moe.routing import pack_routes
 from . import mma as _mm
+from ._triton import HAVE_TRITON, tl, triton
+from .linear import _cb_args, _kernel_bits, _use_asm, gemv_splits
 
 MAX_TIERS = 4
 
@@ -94,10 +94,6 @@ if HAVE_TRITON:
                                    K3A, K3H, CB, MULT, ADD, NT, WARPS, N3, ASM)
 
 
-def _ka_half(bits: Bits) -> tuple[int, int]:
-    return (int(bits), 0) if float(bits).is_integer() else (int(bits), 1)
-
-
 def grouped_gemv(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], block_experts: torch.Tensor,
                  num_padded: torch.Tensor, descriptors: torch.Tensor, shift: int, block_m: int, codebook: str,
                  *, nt: int = 4, num_warps: int = 1, target_programs: Optional[int] = None) -> torch.Tensor:
@@ -106,7 +102,6 @@ def grouped_gemv(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], block_e
     (int16, contiguous, local order); ``block_experts`` / ``num_padded`` from :class:`RoutePack`.
     K is split so that about ``target_programs`` programs run (partials summed in fp32 at the end;
     default 2112 on a GPU, no split in the CPU interpreter, where programs are what costs)."""
-    from .linear import _cb_args, _use_asm
     if not 1 <= len(tier_trellis) <= MAX_TIERS:
         raise ValueError(f"grouped_gemv: {len(tier_trellis)} tiers; 1 to {MAX_TIERS} are supported")
     slots, in_p = xs.shape
@@ -121,16 +116,15 @@ def grouped_gemv(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], block_e
     while n_tiles % ntw:
         ntw //= 2
     warps = min(num_warps, ntw)
-    from .linear import gemv_splits
     if target_programs is None:
         target_programs = 2112 if xs.device.type == "cuda" else 0
     n_blocks, max_blocks = n_tiles // ntw, int(block_experts.shape[0])
     splits, k_per = gemv_splits(k_tiles, n_blocks * max_blocks, target_programs)
     z = torch.zeros((splits, slots, n_tiles * 16), dtype=torch.float32, device=xs.device)
     cb, mult, add = _cb_args(codebook)
-    ks = [_ka_half(bits_from_trellis(tr[0])) for tr in tier_trellis]
-    ks += [(1, 0)] * (MAX_TIERS - len(ks))
-    nwl = [_mm.words_per_lane(ka + 0.5 * h) for ka, h in ks]
+    tier_bits = [bits_from_trellis(tr[0]) for tr in tier_trellis]
+    ks = [_kernel_bits(b) for b in tier_bits] + [(1, 0)] * (MAX_TIERS - len(tier_bits))
+    nwl = [_mm.words_per_lane(b) for b in tier_bits] + [2] * (MAX_TIERS - len(tier_bits))
     ws = [tr.view(torch.int32) for tr in tier_trellis]
     ws += [ws[0]] * (MAX_TIERS - len(ws))
     grid = (n_blocks, max_blocks, splits)
@@ -204,18 +198,6 @@ class MoEWeights:
                    expert_map=layout.global_to_combined_tensor(dev), codebook=codebook, act=act)
 
 
-@functools.lru_cache(maxsize=None)
-def _h128(device: torch.device) -> torch.Tensor:
-    """The scaled 128×128 Hadamard matrix, built once per device (fp32)."""
-    return hadamard_128(torch.float32, device)
-
-
-def hadamard_blocks(v: torch.Tensor) -> torch.Tensor:
-    """``v [n, m]`` (fp32, m a multiple of 128) times the 128-block Hadamard along the last dimension."""
-    n, m = v.shape
-    return (v.reshape(n, m // 128, 128) @ _h128(v.device)).reshape(n, m)
-
-
 def _rows(table: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     """Per-slot rows of a scale table (``[1, n]`` broadcast, or ``[E, n]`` indexed by the slot's expert)."""
     return table.expand(e.shape[0], -1) if table.shape[0] == 1 else table[e]
@@ -224,7 +206,6 @@ def _rows(table: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 def exl3_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MoEWeights, *,
              block_m: int = 16, nt: int = 4, num_warps: int = 1) -> torch.Tensor:
     """``y[t] = Σ_s topk_weights[t, s] · expert_{topk_ids[t, s]}(x[t])`` (see the module docstring)."""
-    from ..moe.routing import pack_routes
     T, H = x.shape
     k = topk_ids.shape[1]
     numel = T * k

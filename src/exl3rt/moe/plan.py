@@ -26,6 +26,7 @@ import torch
 
 from .. import env
 from ..format.bits import Bits
+from ..util.ints import next_pow2
 from .routing import max_route_blocks, route_capacity
 
 DEFAULT_MAX_DECODE_M = 32
@@ -128,10 +129,6 @@ def auto_prefill_block_m(geometry: LayerGeometry, facts: DeviceFacts, capacity: 
     """
     routes_per_expert = capacity * geometry.top_k / geometry.num_experts
     return SMALL_PREFILL_BLOCK_M if routes_per_expert < DEFAULT_PREFILL_BLOCK_M else DEFAULT_PREFILL_BLOCK_M
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
