@@ -6,7 +6,8 @@ Per (layer in×out, K): ``--copies`` (default 8) independent random weight copie
 call so that no copy is served from the 60 MB L2; each timed call is a CUDA-graph replay of one
 whole ``exl3_linear`` (input rotation, the path ``choose_path`` picks — FFMA GEMV, mma GEMV or
 decode + cuBLAS — output rotation), bracketed by CUDA events; the median over ``--iters`` calls
-is reported, with the other paths at rows 4/16/64 for the dispatch thresholds. ``torch.matmul``
+is reported, with the other paths at rows 1/4/16/64 for the dispatch thresholds; "batched" columns
+time one CUDA graph of 32 calls (per call: the per-replay launch cost amortized). ``torch.matmul``
 in bf16 on the same number of dense copies is timed the same way in the same run. Before timing,
 every (shape, K) is checked against ``format.reconstruct`` in float64 (fp32 inputs, rows 1/4/16/64)
 and the Triton decode against ``format.decode`` bit for bit. Also times the kernels alone (GEMV
@@ -69,6 +70,34 @@ def time_graphs(fns, iters: int, warmup: int = 3) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in ev) * 1000.0
 
 
+def time_batched(fns, iters: int, calls: int = 32, warmup: int = 2) -> float:
+    """Median µs per call of one CUDA graph holding ``calls`` calls (cycling over ``fns``): the
+    per-replay launch cost (~9 µs event to event on the H200 for a one-kernel graph) is spread over
+    the calls, as in a model's decode step, where one graph holds hundreds of kernels."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            for _ in range(warmup):
+                f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    g.replay()
+    torch.cuda.synchronize()
+    n = max(5, iters // 10)
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for a, b in ev:
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev) * 1000.0 / calls
+
+
 def make_codes(in_p, out_p, bits, copies, dev, seed=0):
     g = torch.Generator(device=dev).manual_seed(seed)
     w = words16_per_tile(bits)
@@ -99,7 +128,7 @@ def check(codes, codebook, bits, dev):
     for rows in (1, 4, 16, 64):
         x = torch.randn(rows, tr.shape[0] * 16, device=dev)
         y = kl.exl3_linear(x, tr, suh, svh, codebook)
-        path = kl.choose_path(rows)
+        path = kl.choose_path(rows, bits=bits)
         res[f"rel_rows{rows}_{path}"] = e = rel(y, x.double() @ w)
         ok = ok and bool(torch.isfinite(y).all()) and e < TOL[path]
     del w
@@ -149,9 +178,10 @@ def main(argv=None):
     for in_p, out_p in shapes:
         xs_bf = {r: torch.randn(r, in_p, device=dev, dtype=torch.bfloat16) for r in rows_list}
         dense = [torch.randn(in_p, out_p, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(args.copies)]
-        bf16 = {}
+        bf16, bf16_b = {}, {}
         for r in rows_list:
             bf16[r] = time_graphs([lambda w=w, r=r: torch.matmul(xs_bf[r], w) for w in dense], args.iters)
+            bf16_b[r] = time_batched([lambda w=w, r=r: torch.matmul(xs_bf[r], w) for w in dense], args.iters)
         del dense
         torch.cuda.empty_cache()
         for bits in bits_list:
@@ -166,41 +196,52 @@ def main(argv=None):
             us = time_graphs([lambda c=c: kl.gemv_rotated(x1, c[0], cb) for c in codes], args.iters)
             x16 = torch.randn(16, in_p, device=dev, dtype=torch.float16)
             us16 = time_graphs([lambda c=c: kl.mma_rotated(x16, c[0], cb) for c in codes], args.iters)
+            x1h = x1.half()
+            ub1 = time_batched([lambda c=c: kl.mma_rotated(x1h, c[0], cb) for c in codes], args.iters)
+            ub16 = time_batched([lambda c=c: kl.mma_rotated(x16, c[0], cb) for c in codes], args.iters)
             nweights = in_p * out_p
             results["gemv_kernel"].append({"in": in_p, "out": out_p, "K": bits, "us": us,
                                            "tweights_per_s": nweights / us / 1e6,
                                            "trellis_GBps": nweights * bits / 8 / us / 1e3,
-                                           "mma16_us": us16, "mma16_tweights_per_s": nweights / us16 / 1e6})
+                                           "mma16_us": us16, "mma16_tweights_per_s": nweights / us16 / 1e6,
+                                           "mma1_batched_us": ub1, "mma16_batched_us": ub16,
+                                           "mma1_batched_tweights_per_s": nweights / ub1 / 1e6})
             for r in rows_list:
                 x = xs_bf[r]
-                us = time_graphs([lambda c=c: kl.exl3_linear(x, c[0], c[1], c[2], cb) for c in codes], args.iters)
+                fns = [lambda c=c: kl.exl3_linear(x, c[0], c[1], c[2], cb) for c in codes]
+                us = time_graphs(fns, args.iters)
                 row = {"in": in_p, "out": out_p, "K": bits, "rows": r, "us": us, "bf16_us": bf16[r],
-                       "path": kl.choose_path(r), "exllamav3_us": ANCHORS.get((in_p, out_p, bits, r))}
-                others = {4: ("gemv", "decode_mm"), 16: ("decode_mm",), 64: ("mma",)}.get(r, ())
+                       "batched_us": time_batched(fns, args.iters), "bf16_batched_us": bf16_b[r],
+                       "path": kl.choose_path(r, bits=bits), "exllamav3_us": ANCHORS.get((in_p, out_p, bits, r))}
+                others = {1: ("gemv", "mma"), 4: ("gemv", "decode_mm"), 16: ("decode_mm",), 64: ("mma",)}.get(r, ())
                 for other in others:  # the other paths, for the dispatch thresholds
                     row[f"{other}_us"] = time_graphs(
                         [lambda c=c, o=other: kl.exl3_linear(x, c[0], c[1], c[2], cb, path=o) for c in codes],
                         args.iters)
                 results["rows"].append(row)
-                print(f"{in_p}x{out_p} K={bits} rows={r}: {us:.1f} us ({row['path']}; bf16 {bf16[r]:.1f})"
+                print(f"{in_p}x{out_p} K={bits} rows={r}: {us:.1f} us ({row['path']}; bf16 {bf16[r]:.1f}; "
+                      f"batched {row['batched_us']:.1f} vs bf16 {bf16_b[r]:.1f})"
                       + "".join(f", {o} {row[o + '_us']:.1f}" for o in others), flush=True)
             del codes
             torch.cuda.empty_cache()
 
     write_json(args.out, results)
-    print("\n| layer | K | rows | path | exl3rt µs | bf16 µs | exl3rt/bf16 | other paths µs | exllamav3 1.6.5 µs |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| layer | K | rows | path | exl3rt µs | bf16 µs | exl3rt/bf16 | batched exl3rt µs | batched bf16 µs "
+          "| batched ratio | other paths µs | exllamav3 1.6.5 µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
         anc = f"{r['exllamav3_us']:.1f}" if r["exllamav3_us"] else ""
         extra = ", ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if k.endswith("_us") and k not in
-                          ("bf16_us", "exllamav3_us"))
+                          ("bf16_us", "exllamav3_us", "batched_us", "bf16_batched_us"))
         print(f"| {r['in']}×{r['out']} | {r['K']} | {r['rows']} | {r['path']} | {r['us']:.1f} | {r['bf16_us']:.1f} | "
-              f"{r['us'] / r['bf16_us']:.2f} | {extra} | {anc} |")
+              f"{r['us'] / r['bf16_us']:.2f} | {r['batched_us']:.1f} | {r['bf16_batched_us']:.1f} | "
+              f"{r['batched_us'] / r['bf16_batched_us']:.2f} | {extra} | {anc} |")
     print("\nKernels alone (no Hadamard passes): GEMV rows=1, mma rows=16:")
     for g in results["gemv_kernel"]:
         print(f"  {g['in']}x{g['out']} K={g['K']}: GEMV {g['us']:.1f} us ({g['tweights_per_s']:.2f} T weights/s, "
               f"{g['trellis_GBps']:.0f} GB/s); mma 16 rows {g['mma16_us']:.1f} us "
-              f"({g['mma16_tweights_per_s']:.2f} T weights/s)")
+              f"({g['mma16_tweights_per_s']:.2f} T weights/s); batched: mma 1 row {g['mma1_batched_us']:.1f} us "
+              f"({g['mma1_batched_tweights_per_s']:.2f} T weights/s), 16 rows {g['mma16_batched_us']:.1f} us")
     bad = [c for c in results["checks"] if not c["ok"]]
     print("checks:", "ALL OK" if not bad else f"{len(bad)} FAILED")
     return 0 if not bad else 1

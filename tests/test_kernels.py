@@ -148,9 +148,12 @@ def test_mma_words_per_lane():
 
 def test_dispatch_and_prewarm_buckets():
     assert [kl.choose_path(r) for r in (1, 2, 16, 17, 2048)] == ["gemv", "mma", "mma", "decode_mm", "decode_mm"]
-    assert len({kl.specialization(r) for r in kl.PREWARM_ROWS}) == len(kl.PREWARM_ROWS)
-    # every row count maps to a bucket that PREWARM_ROWS covers
-    assert {kl.specialization(r) for r in range(1, 300)} <= {kl.specialization(r) for r in kl.PREWARM_ROWS}
+    assert [kl.choose_path(1, bits=b) for b in (2, 3.5, 4, 5, 6, 8)] == ["mma"] * 3 + ["gemv"] * 3
+    for bits in (2, 4, 6):
+        assert len({kl.specialization(r, bits) for r in kl.PREWARM_ROWS}) >= len(kl.PREWARM_ROWS) - 1
+        # every row count maps to a bucket that PREWARM_ROWS covers
+        assert {kl.specialization(r, bits) for r in range(1, 300)} <= \
+            {kl.specialization(r, bits) for r in kl.PREWARM_ROWS}
 
 
 @pytest.mark.parametrize("rows", [1, 3, 20])

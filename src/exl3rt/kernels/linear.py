@@ -39,8 +39,11 @@ from .hadamard import had as _had
 from ._triton import triton
 
 GEMV_MAX_ROWS = 16     # the GEMV kernel's largest row block
-GEMV_DISPATCH_ROWS = 1  # exl3_linear uses the FFMA GEMV up to this many rows (H200, 4096x14336: rows 1
-                        # GEMV 33.5 µs vs mma 34.0; rows 4: 65 vs 41)
+GEMV_DISPATCH_ROWS = 1  # exl3_linear may use the FFMA GEMV up to this many rows (H200, 4096x14336: rows 4
+                        # GEMV 57 µs vs mma 35)
+GEMV_MIN_BITS = 5       # ... and only for K >= this: with the inline-PTX lane decode the mma GEMV wins at
+                        # rows 1 for K <= 4 (H200, 4096x14336, 2026-11-30: K4 30.5 vs 33.9 µs, K2 30.9 vs
+                        # 33.9) and loses above (K6 35.8 vs 34.6)
 
 
 def interpreting() -> bool:
@@ -192,10 +195,11 @@ PATHS = ("auto", "gemv", "mma", "decode_mm")
 MMA_MAX_ROWS = 16  # the mma GEMV decodes once per 16 rows: above this the decode + cuBLAS path wins
 
 
-def choose_path(rows: int, gemv_max_rows: int = GEMV_DISPATCH_ROWS) -> str:
-    """``gemv`` (fp32 FFMA decode-on-the-fly) up to ``gemv_max_rows`` rows, ``mma`` (warp-level
-    tensor-core GEMV) up to :data:`MMA_MAX_ROWS`, else ``decode_mm`` (Q to fp16, then cuBLAS)."""
-    if rows <= min(gemv_max_rows, GEMV_MAX_ROWS):
+def choose_path(rows: int, gemv_max_rows: int = GEMV_DISPATCH_ROWS, bits: Optional[Bits] = None) -> str:
+    """``gemv`` (fp32 FFMA decode-on-the-fly) up to ``gemv_max_rows`` rows when K >=
+    :data:`GEMV_MIN_BITS` (or K unknown), ``mma`` (warp-level tensor-core GEMV) up to
+    :data:`MMA_MAX_ROWS`, else ``decode_mm`` (Q to fp16, then cuBLAS)."""
+    if rows <= min(gemv_max_rows, GEMV_MAX_ROWS) and (bits is None or float(bits) >= GEMV_MIN_BITS):
         return "gemv"
     return "mma" if rows <= MMA_MAX_ROWS else "decode_mm"
 
@@ -224,7 +228,7 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
     if rows == 0:
         return y
     if path == "auto":
-        path = choose_path(rows, gemv_max_rows)
+        path = choose_path(rows, gemv_max_rows, kbits)
     if path == "gemv":
         if rows > GEMV_MAX_ROWS:
             raise ValueError(f"path='gemv' takes at most {GEMV_MAX_ROWS} rows, got {rows}")
@@ -253,10 +257,10 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.matmul(a, b).float()
 
 
-def specialization(rows: int) -> tuple:
+def specialization(rows: int, bits: Optional[Bits] = None) -> tuple:
     """The kernel specializations ``exl3_linear`` uses for ``rows`` (per layer shape, K and codebook):
     the path and the Hadamard passes' row block (the kernels do not specialize on ``rows`` itself)."""
-    return (choose_path(rows), min(16, next_pow2(rows)))
+    return (choose_path(rows, bits=bits), min(16, next_pow2(rows)))
 
 
 PREWARM_ROWS = (1, 2, 3, 8, 16, 32)  # one row count per bucket of :func:`specialization`
@@ -278,7 +282,7 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Iterable[int] = 
         suh = torch.ones(in_p, dtype=torch.float16, device=device)
         svh = torch.ones(out_p, dtype=torch.float16, device=device)
         for r in rows:
-            key = (in_p, out_p, bits, codebook, dtype, specialization(r))
+            key = (in_p, out_p, bits, codebook, dtype, specialization(r, bits))
             if key in done:
                 continue
             done.add(key)
@@ -291,4 +295,4 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Iterable[int] = 
 
 __all__ = ["exl3_linear", "gemv_rotated", "decode_fp16", "prewarm", "GemvConfig", "DecodeConfig",
            "MmaConfig", "mma_rotated", "choose_path", "specialization", "PREWARM_ROWS", "MMA_MAX_ROWS",
-           "GEMV_MAX_ROWS", "GEMV_DISPATCH_ROWS", "interpreting", "gemv_splits"]
+           "GEMV_MAX_ROWS", "GEMV_DISPATCH_ROWS", "GEMV_MIN_BITS", "interpreting", "gemv_splits"]

@@ -1,0 +1,166 @@
+"""The per-lane trellis decode of the mma GEMV as one inline-PTX block (text generated per K and codebook).
+
+In the warp-level mma GEMV (:mod:`exl3rt.kernels.mma`) lane L of a warp decodes the 8 consecutive
+stream positions ``8L .. 8L + 7`` of a 16×16 tile: exactly its ``mma.m16n8k16`` B fragments of the
+tile's two n8 halves, four ``f16x2`` registers. :func:`lane_decode_ptx` writes that decode as one
+PTX block whose instruction choice is fixed here rather than left to Triton's code generation:
+
+* inputs: the lane's ``NWL`` raw trellis words (the tile's ring, in order), its normalizing shift
+  ``R`` (its last bit is ``R`` bits above bit 0 of the last word) and the MCG/3INST xor constant
+  ``0x3B603B60`` in a register (a LOP3 takes one immediate);
+* normalization: ``shf.r.clamp`` funnel shifts by ``R`` (none when every lane ends on a word: K = 4,
+  8), after which position p's 16-bit window ends ``D_p = (7 − p)·KA + HALF·(4 − ⌊(p + 1)/2⌋)``
+  bits before the end — a compile-time constant;
+* windows: byte-aligned windows inside one word are one ``prmt`` (zero fill from the second
+  operand), the top half one ``shr``, others ``shr``/``shf`` + ``and``;
+* MCG/3INST: ``mul.lo``/``mad.lo`` by the codebook multiplier, one ``lop3`` for
+  ``(x & 0x8FFF8FFF) ^ 0x3B603B60``, ``add.rn.f16`` of the two halves (one HADD2 with half
+  selectors per weight, off the integer pipe) and one ``mov {lo, hi}`` (PRMT) per pair;
+* MUL1: ``dp4a`` byte sums into 0x6400, one ``prmt`` per pair, one ``fma.rn.f16x2``.
+
+The arithmetic is that of ``format.codebooks.decode_states`` bit for bit; ``tests/ptx_emulator.py``
+executes the generated text on the CPU and CI compares it with ``format.reconstruct.decode_stream``
+for every K and codebook.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+MCG_MASK = 0x8FFF8FFF
+MCG_XOR = 0x3B603B60
+MUL1_K2 = 0x1EEE1EEE   # fp16x2 scale
+MUL1_C2 = 0xC931C931   # fp16x2 bias
+
+
+def window_end(p: int, ka: int, half: int) -> int:
+    """D_p: bits between the end of position p's 16-bit window and the end of the lane's last position."""
+    return (7 - p) * ka + half * (4 - (p + 1) // 2)
+
+
+def lane_span_words(ka: int, half: int) -> int:
+    """NWL: 32-bit words holding a lane's 8 windows (7·KA + 4·HALF + 16 bits) at any lane's alignment."""
+    span = 7 * ka + 4 * half + 16
+    need = 0
+    for lane in range(32):
+        e = (8 * lane + 8) * ka + half * (4 * lane + 4)
+        need = max(need, (e - 1) // 32 - (e - span) // 32 + 1)
+    return need
+
+
+def needs_shift(ka: int, half: int) -> bool:
+    """False when every lane's last bit ends a word (K = 4, 8): no normalizing funnel shift."""
+    return (8 * ka + 4 * half) % 32 != 0
+
+
+@lru_cache(maxsize=None)
+def lane_decode_ptx(ka: int, half: int, cb: int, mult: int, add: int) -> tuple[str, str, int]:
+    """(PTX text, constraint string, number of inputs) of one lane's decode.
+
+    Operands: ``$0..$3`` the four f16x2 B registers (positions 0/1, 2/3, 4/5, 6/7: low half = even
+    position), ``$4 .. $(3 + NWL)`` the raw words, then ``R`` and the xor constant.
+    ``cb``: 0 = 3INST, 1 = MCG, 2 = MUL1 (``gemv.CODEBOOK_IDS``); ``mult``/``add``: the codebook's
+    first step (``gemv.CB_AFFINE``).
+    """
+    nwl = lane_span_words(ka, half)
+    raw = [f"${4 + i}" for i in range(nwl)]
+    rsh = f"${4 + nwl}"
+    xorc = f"${5 + nwl}"
+    lines: list[str] = []
+    regs32: list[str] = []
+    regs16: list[str] = []
+
+    def r32(name: str) -> str:
+        regs32.append(name)
+        return name
+
+    def r16(name: str) -> str:
+        regs16.append(name)
+        return name
+
+    # normalized words: nf[NWL-1] ends at the lane's last bit
+    if needs_shift(ka, half):
+        nf = [r32(f"n{i}") for i in range(nwl)]
+        lines.append(f"shr.b32 n0, {raw[0]}, {rsh};")
+        for i in range(1, nwl):
+            lines.append(f"shf.r.clamp.b32 n{i}, {raw[i]}, {raw[i - 1]}, {rsh};")
+    else:
+        nf = raw
+
+    states: list[str] = []
+    for p in range(8):
+        d_end = window_end(p, ka, half)
+        j = nwl - 1 - d_end // 32
+        d = d_end % 32
+        s = r32(f"s{p}")
+        if d <= 16:
+            w = nf[j]
+            if d == 16:
+                lines.append(f"shr.b32 {s}, {w}, 16;")
+            elif d % 8 == 0:
+                sel = 0x4400 | ((d // 8 + 1) << 4) | (d // 8)
+                lines.append(f"prmt.b32 {s}, {w}, 0, 0x{sel:04X};")
+            else:
+                lines.append(f"shr.b32 {s}, {w}, {d};")
+                lines.append(f"and.b32 {s}, {s}, 0xFFFF;")
+        else:
+            if j == 0:
+                raise AssertionError(f"K={ka}+{half}/2: window of position {p} reaches before the lane's words")
+            lines.append(f"shf.r.clamp.b32 {s}, {nf[j]}, {nf[j - 1]}, {d};")
+            lines.append(f"and.b32 {s}, {s}, 0xFFFF;")
+        states.append(s)
+
+    outs = []
+    for q in range(4):
+        s0, s1 = states[2 * q], states[2 * q + 1]
+        x0, x1 = r32(f"x{2 * q}"), r32(f"x{2 * q + 1}")
+        for s, x in ((s0, x0), (s1, x1)):
+            if add:
+                lines.append(f"mad.lo.u32 {x}, {s}, 0x{mult:08X}, 0x{add:08X};")
+            else:
+                lines.append(f"mul.lo.u32 {x}, {s}, 0x{mult:08X};")
+        if cb == 2:
+            lines.append(f"dp4a.u32.u32 {x0}, {x0}, 0x01010101, 0x6400;")
+            lines.append(f"dp4a.u32.u32 {x1}, {x1}, 0x01010101, 0x6400;")
+            lines.append(f"prmt.b32 {x0}, {x0}, {x1}, 0x5410;")
+            lines.append(f"fma.rn.f16x2 ${q}, {x0}, k2, c2;")
+        else:
+            h = [r16(f"h{q}_{i}") for i in range(4)]
+            v0, v1 = r16(f"v{2 * q}"), r16(f"v{2 * q + 1}")
+            for x, (lo, hi), v in ((x0, h[:2], v0), (x1, h[2:], v1)):
+                lines.append(f"lop3.b32 {x}, {x}, 0x{MCG_MASK:08X}, {xorc}, 0x6A;")
+                lines.append(f"mov.b32 {{{lo}, {hi}}}, {x};")
+                lines.append(f"add.rn.f16 {v}, {lo}, {hi};")
+            lines.append(f"mov.b32 ${q}, {{{v0}, {v1}}};")
+        outs.append(f"${q}")
+
+    decl = []
+    if cb == 2:
+        regs32 += ["k2", "c2"]
+        lines.insert(0, f"mov.b32 c2, 0x{MUL1_C2:08X};")
+        lines.insert(0, f"mov.b32 k2, 0x{MUL1_K2:08X};")
+    if regs32:
+        decl.append(".reg .b32 " + ", ".join(regs32) + ";")
+    if regs16:
+        decl.append(".reg .b16 " + ", ".join(regs16) + ";")
+    text = "{\n" + "\n".join(decl + lines) + "\n}"
+    constraints = ",".join(["=r"] * 4 + ["r"] * (nwl + 2))
+    return text, constraints, nwl + 2
+
+
+def lane_shift(lane: int, ka: int, half: int) -> int:
+    """R: how far the lane's last bit + 1 lies below the end of its last word."""
+    e = (8 * lane + 8) * ka + half * (4 * lane + 4)
+    return 32 * ((e - 1) // 32 + 1) - e
+
+
+def lane_words(lane: int, ka: int, half: int) -> list[int]:
+    """Word indices (inside the tile's ring of ``8·KA + 4·HALF`` words) of the lane's NWL words."""
+    nw = 8 * ka + 4 * half
+    e = (8 * lane + 8) * ka + half * (4 * lane + 4)
+    last = (e - 1) // 32
+    nwl = lane_span_words(ka, half)
+    return [(last - nwl + 1 + i + nw) % nw for i in range(nwl)]
+
+
+__all__ = ["lane_decode_ptx", "lane_span_words", "lane_shift", "lane_words", "window_end", "needs_shift"]
