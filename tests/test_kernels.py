@@ -113,6 +113,15 @@ def test_gemm_path_decode_then_matmul():
     ("mul1", 1.5, (128, 128), 9, (1, 2, 2)),
     ("mul1", 2.5, (256, 128), 1, (2, 2, 1)),
     ("mul1", 3.5, (128, 128), 6, (1, 1, 8)),
+    # ksplit: the warps split the k-tiles (k-tiles per split not a multiple of the warps: idle tail warps)
+    ("mcg", 4, (256, 128), 1, (2, 4, 2, True)),
+    ("mcg", 3, (384, 128), 17, (1, 2, 2, True)),
+    ("mul1", 2.5, (128, 256), 5, (2, 4, 1, True)),
+    ("3inst", 6, (256, 128), 16, (1, 2, 3, True)),
+    # row blocks: one decode serves 2 or 4 blocks of 16 rows (last block partial / absent)
+    ("mcg", 4, (256, 128), 37, (2, 1, 2, False, 2)),
+    ("mul1", 2.5, (128, 256), 50, (1, 2, 2, False, 4)),
+    ("3inst", 3, (256, 128), 20, (1, 2, 2, True, 2)),
 ])
 def test_mma_matches_reconstruct(codebook, bits, shape, rows, cfg):
     """The warp-level mma GEMV (interpreter: its per-lane decode feeds an emulation of the mma;
@@ -122,9 +131,10 @@ def test_mma_matches_reconstruct(codebook, bits, shape, rows, cfg):
     tr, suh, svh = _codes(in_p, out_p, bits, seed=rows * 7 + int(bits * 10))
     x = torch.randn(rows, in_p, generator=torch.Generator().manual_seed(rows))
     ref = x.double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), codebook, dtype=torch.float64)
-    nt, nw, tp = cfg
+    nt, nw, tp, *more = cfg
+    ks, mb = (list(more) + [False, 1][len(more):])[:2]
     y = kl.exl3_linear(x.to(DEV), tr, suh, svh, codebook, path="mma",
-                       mma_cfg=kl.MmaConfig(nt=nt, num_warps=nw, target_programs=tp))
+                       mma_cfg=kl.MmaConfig(nt=nt, num_warps=nw, target_programs=tp, ksplit=ks, row_blocks=mb))
     assert y.shape == (rows, out_p)
     assert _rel(y, ref) < 1e-3
 
@@ -147,7 +157,8 @@ def test_mma_words_per_lane():
 
 
 def test_dispatch_and_prewarm_buckets():
-    assert [kl.choose_path(r) for r in (1, 2, 16, 17, 2048)] == ["gemv", "mma", "mma", "decode_mm", "decode_mm"]
+    assert [kl.choose_path(r) for r in (1, 2, 16, 17, 32, 33, 2048)] == \
+        ["gemv", "mma", "mma", "mma", "mma", "decode_mm", "decode_mm"]
     assert [kl.choose_path(1, bits=b) for b in (2, 3.5, 4, 5, 6, 8)] == ["mma"] * 3 + ["gemv"] * 3
     for bits in (2, 4, 6):
         assert len({kl.specialization(r, bits) for r in kl.PREWARM_ROWS}) >= len(kl.PREWARM_ROWS) - 1

@@ -7,9 +7,11 @@
 
 * ``gemv`` (1 row): pre-pass ``x' = (x ⊙ suh)·Hk`` in fp32, ``gemv._gemv_kernel`` (FFMA,
   decode on the fly) writes fp32 split-K partials, post-pass ``y = (Σ_s z[s])·Hn ⊙ svh``;
-* ``mma`` (2–16 rows): the same passes around ``mma._mma_kernel`` — each lane decodes its own
-  ``mma.m16n8k16`` B fragment (the EXL3 tile order is that fragment order), x' in fp16, fp32
-  accumulators; the decode costs the same for 1 or 16 rows;
+* ``mma`` (1 row with K ≤ 4, 2–32 rows): the same passes around ``mma._mma_kernel`` — each lane
+  decodes its own ``mma.m16n8k16`` B fragment (the EXL3 tile order is that fragment order), x' in
+  fp16, fp32 accumulators; the decode costs the same for 1 or 16 rows, and at 17–32 rows one
+  decode feeds two 16-row blocks (``MmaConfig.row_blocks``); at 5–16 rows a program's 4 warps split
+  its k-tiles (``MmaConfig.ksplit``);
 * ``decode_mm`` (more rows): ``gemv._decode_kernel`` writes Q (fp16, bit-exact) once and cuBLAS
   computes ``x'·Q`` (fp16 operands, fp32 output), then the post-pass.
 
@@ -71,14 +73,32 @@ class DecodeConfig:
 @dataclass(frozen=True)
 class MmaConfig:
     """Launch parameters of the warp-level mma GEMV (``mma._mma_kernel``): ``nt`` n-tiles per warp,
-    ``num_warps`` warps per program, and how many programs to aim for when splitting K."""
+    ``num_warps`` warps per program, and how many programs to aim for when splitting K. ``ksplit``:
+    the program's warps share its ``nt`` tiles and split its k-tiles (summed in the kernel), instead
+    of taking ``nt`` tiles each."""
     nt: int = 8
     num_warps: int = 1
     target_programs: int = 2112
     num_stages: int = 1
+    ksplit: bool = False
+    row_blocks: int = 1
 
 
 DEFAULT_MMA = MmaConfig()  # best of 8 tried at rows 1/4/16, K 2/4/6, 4096x14336, H200 (tune_linear.py)
+# above 4 rows: 4 tiles per program, 4 warps splitting the k-tiles (H200, 4096x14336, one graph of 32
+# calls, 2026-11-30: rows 16 K4 43.5 vs 43.9 µs, K6 46.7 vs 51.4; rows 1 it loses: K4 34.6 vs 27.0)
+DEFAULT_MMA_MANY_ROWS = MmaConfig(nt=4, num_warps=4, target_programs=1056, ksplit=True)
+# 17-32 rows: one decode feeds two 16-row blocks (same run, K4: rows 24 50.2 µs, rows 32 56.2, vs decode +
+# cuBLAS 81.5 / 81.9; at 48-64 rows four blocks lose to decode_mm, 91-108 vs 83: the fp32 split-K
+# partials grow with the rows)
+DEFAULT_MMA_32_ROWS = MmaConfig(nt=4, num_warps=1, target_programs=2112, row_blocks=2)
+
+
+def default_mma_config(rows: int) -> MmaConfig:
+    """The mma GEMV's launch configuration for ``rows`` (see :data:`DEFAULT_MMA_MANY_ROWS`)."""
+    if rows <= 4:
+        return DEFAULT_MMA
+    return DEFAULT_MMA_MANY_ROWS if rows <= 16 else DEFAULT_MMA_32_ROWS
 
 
 DEFAULT_GEMV = GemvConfig(nt=4, num_warps=1, target_programs=8448)  # best of 16 tried, 4096x14336 K4, H200
@@ -175,24 +195,29 @@ def decode_fp16(trellis: torch.Tensor, codebook: str, cfg: DecodeConfig = DEFAUL
 
 def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Optional[MmaConfig] = None) -> torch.Tensor:
     """Split-K partials ``z[s] = x'·Q`` (fp32 ``[splits, rows, out_p]``) for fp16 ``xh`` [rows, in_p],
-    by the warp-level mma kernel (16 rows per program row-block)."""
+    by the warp-level mma kernel (16·``row_blocks`` rows per program row-block)."""
     rows, in_p = xh.shape
-    cfg = cfg or DEFAULT_MMA
-    in_tiles, tn, nt, (ka, half), (cb, mult, add) = _geometry(trellis, codebook, cfg.nt * cfg.num_warps)
-    warps = min(cfg.num_warps, nt)
-    n_blocks, m_blocks = tn // nt, triton.cdiv(rows, 16)
+    cfg = cfg or default_mma_config(rows)
+    if cfg.ksplit:
+        in_tiles, tn, nt, (ka, half), (cb, mult, add) = _geometry(trellis, codebook, cfg.nt)
+        warps, nt_warp = cfg.num_warps, nt
+    else:
+        in_tiles, tn, nt, (ka, half), (cb, mult, add) = _geometry(trellis, codebook, cfg.nt * cfg.num_warps)
+        warps = min(cfg.num_warps, nt)
+        nt_warp = nt // warps
+    n_blocks, m_blocks = tn // nt, triton.cdiv(rows, 16 * cfg.row_blocks)
     splits, k_per = gemv_splits(in_tiles, n_blocks * m_blocks, cfg.target_programs)
     z = torch.empty((splits, rows, tn * 16), dtype=torch.float32, device=xh.device)
     grid = (n_blocks, splits, m_blocks)
     _mm._mma_kernel[grid](xh, trellis.view(torch.int32), z, rows, in_tiles, tn, k_per, xh.stride(0), z.stride(0), 1,
-                          KA=ka, HALF=half, CB=cb, MULT=mult, ADD=add, NT=nt // warps, WARPS=warps,
-                          NWL=_mm.words_per_lane(bits_from_trellis(trellis)), ASM=_use_asm(xh.device), num_warps=warps,
-                          num_stages=cfg.num_stages)
+                          KA=ka, HALF=half, CB=cb, MULT=mult, ADD=add, NT=nt_warp, WARPS=warps,
+                          NWL=_mm.words_per_lane(bits_from_trellis(trellis)), ASM=_use_asm(xh.device),
+                          KSPLIT=cfg.ksplit, MB=cfg.row_blocks, num_warps=warps, num_stages=cfg.num_stages)
     return z
 
 
 PATHS = ("auto", "gemv", "mma", "decode_mm")
-MMA_MAX_ROWS = 16  # the mma GEMV decodes once per 16 rows: above this the decode + cuBLAS path wins
+MMA_MAX_ROWS = 32  # the mma GEMV decodes once per 16 (17-32 rows: 32) rows; above, decode + cuBLAS wins
 
 
 def choose_path(rows: int, gemv_max_rows: int = GEMV_DISPATCH_ROWS, bits: Optional[Bits] = None) -> str:
@@ -259,11 +284,14 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def specialization(rows: int, bits: Optional[Bits] = None) -> tuple:
     """The kernel specializations ``exl3_linear`` uses for ``rows`` (per layer shape, K and codebook):
-    the path and the Hadamard passes' row block (the kernels do not specialize on ``rows`` itself)."""
-    return (choose_path(rows, bits=bits), min(16, next_pow2(rows)))
+    the path, its launch configuration and the Hadamard passes' row block (the kernels do not
+    specialize on ``rows`` itself)."""
+    path = choose_path(rows, bits=bits)
+    cfg = default_mma_config(rows) if path == "mma" else None
+    return (path, cfg, min(16, next_pow2(rows)))
 
 
-PREWARM_ROWS = (1, 2, 3, 8, 16, 32)  # one row count per bucket of :func:`specialization`
+PREWARM_ROWS = (1, 2, 3, 5, 8, 16, 17, 33)  # one row count per bucket of :func:`specialization`
 
 
 def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Iterable[int] = PREWARM_ROWS,

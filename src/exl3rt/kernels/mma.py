@@ -98,38 +98,51 @@ if HAVE_TRITON:
         return out
 
     @triton.jit
-    def _load_xfrag(xa_lo, xa_hi, mlo, mhi, a):
-        """The lane's A fragment of k-tile a: x'[g, 16a + 2c (+8)] and row g + 8 (int32 fp16 pairs)."""
-        return (tl.load(xa_lo + 8 * a, mask=mlo, other=0), tl.load(xa_hi + 8 * a, mask=mhi, other=0),
-                tl.load(xa_lo + 8 * a + 4, mask=mlo, other=0), tl.load(xa_hi + 8 * a + 4, mask=mhi, other=0))
+    def _load_xfrag(xa_lo, mlo, mhi, kv, a, rstride, MB: tl.constexpr):
+        """The lane's A fragments of k-tile a for MB 16-row blocks: x'[g, 16a + 2c (+8)] and row g + 8
+        (int32 fp16 pairs); block b's rows lie ``16·b·rstride`` int32 further; ``mlo[b]``/``mhi[b]``:
+        the rows exist, ``kv``: the k-tile is the warp's."""
+        out = ()
+        for b in tl.static_range(MB):
+            lo = xa_lo + (16 * b) * rstride + 8 * a
+            hi = lo + 8 * rstride
+            out = out + ((tl.load(lo, mask=mlo[b] & kv, other=0), tl.load(hi, mask=mhi[b] & kv, other=0),
+                          tl.load(lo + 4, mask=mlo[b] & kv, other=0), tl.load(hi + 4, mask=mhi[b] & kv, other=0)),)
+        return out
 
     @triton.jit(do_not_specialize=["rows", "one"])
     def _mma_kernel(x_ptr, w_ptr, z_ptr, rows, in_tiles, tn_total, k_per, stride_x, stride_zs, one,
                     KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
                     ADD: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr,
-                    ASM: tl.constexpr):
-        """z[split, m, n] = Σ_{k in split} x'[m, k]·Q[k, n] for 16 rows (pid 2), NT·WARPS n-tiles, one K-split."""
+                    ASM: tl.constexpr, KSPLIT: tl.constexpr, MB: tl.constexpr):
+        """z[split, m, n] = Σ_{k in split} x'[m, k]·Q[k, n] for 16·MB rows (pid 2), NT·WARPS n-tiles (NT
+        with KSPLIT: the warps split the k-tiles), one K-split."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
         a0 = pid_k * k_per
         a1 = tl.minimum(a0 + k_per, in_tiles)
-        _mma_pass(x_ptr, w_ptr, z_ptr + pid_k * stride_zs, rows, pid_m * 16, a0, a1, pid_n, tn_total, stride_x, one,
-                  KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM)
+        _mma_pass(x_ptr, w_ptr, z_ptr + pid_k * stride_zs, rows, pid_m * 16 * MB, a0, a1, pid_n, tn_total, stride_x,
+                  one, KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, KSPLIT, MB)
 
     @triton.jit
     def _mma_pass(x_ptr, w_ptr, zrow, rows, m0, a0, a1, pid_n, tn_total, stride_x, one,
                   KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
                   ADD: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr,
-                  ASM: tl.constexpr):
-        """Rows ``m0 .. m0 + 15`` (those < ``rows``) of ``z = x'·Q[a0·16 : a1·16, :]`` for the n-tiles of
+                  ASM: tl.constexpr, KSPLIT: tl.constexpr = False, MB: tl.constexpr = 1):
+        """Rows ``m0 .. m0 + 16·MB − 1`` (those < ``rows``; MB 16-row blocks share each decoded tile) of ``z = x'·Q[a0·16 : a1·16, :]`` for the n-tiles of
         ``pid_n``, stored at ``zrow`` (``[rows, out_p]`` fp32); ``w_ptr`` points at Q's first tile.
 
         Tensors are 1-D ``[32·WARPS]`` (one element per thread: element i lives in lane i mod 32 of
-        warp i div 32, the only layout Triton can give them once no load is vectorizable); warp w
-        handles tiles ``pid_n·NT·WARPS + s·WARPS + w`` for s < NT, accumulators in tuples.
+        warp i div 32, the only layout Triton can give them once no load is vectorizable),
+        accumulators in tuples. Without ``KSPLIT`` warp w handles tiles ``pid_n·NT·WARPS + s·WARPS + w``
+        (s < NT) over all k-tiles; with ``KSPLIT`` the warps share tiles ``pid_n·NT + s`` and split
+        the k-tiles (warp w takes ``a0 + w, a0 + w + WARPS, …``), then sum their accumulators once
+        (through shared memory) — WARPS times fewer split-K partials for the post-pass to read.
         """
         NW: tl.constexpr = 8 * KA + 4 * HALF                      # words per tile
+        STEP: tl.constexpr = WARPS if KSPLIT else 1               # k-tiles per loop iteration
+        TSTRIDE: tl.constexpr = 1 if KSPLIT else WARPS            # tile s of a warp: tile0 + s·TSTRIDE
         idx = tl.arange(0, 32 * WARPS)
         lane = idx % 32
         warp = idx // 32
@@ -137,95 +150,92 @@ if HAVE_TRITON:
         last = (e_end - 1) // 32                                  # word holding it
         rsh32 = 32 * (last + 1) - e_end                           # right padding of that word
         rsh = rsh32.to(tl.uint64)
-        # per word i: a pointer to the lane's word i of its first tile at k-tile a0 (ring offsets inside
+        if KSPLIT:
+            kw = warp                                             # the warp's k-tile offset
+            tile0 = pid_n * NT + warp * 0
+        else:
+            kw = warp * 0
+            tile0 = pid_n * NT * WARPS + warp
+        # per word i: a pointer to the lane's word i of its first tile at k-tile 0 (ring offsets inside
         # the tile; ·one: no provable contiguity, so no load is vectorized and element i stays in lane
-        # i mod 32, which the mma needs); tile s is s·WARPS·NW words further, k-tile a + 1 tn·NW
-        tile0 = pid_n * NT * WARPS + warp
-        pws = ()
+        # i mod 32, which the mma needs); tile s is s·TSTRIDE·NW words further (a load immediate)
+        wbase = ()
         for i in tl.static_range(NWL):
-            pws = pws + (w_ptr + (a0 * tn_total + tile0) * NW + ((last - NWL + 1 + i + NW) % NW) * one,)
-        tiles = ()
-        for s_ in tl.static_range(NT):
-            tiles = tiles + ((pid_n * NT + s_) * WARPS + warp,)
+            wbase = wbase + (w_ptr + tile0 * NW + ((last - NWL + 1 + i + NW) % NW) * one,)
+        kstride = tn_total * NW
         if ASM:
             g = lane // 4
             c = lane % 4
             ra = m0 + g
             xi = x_ptr.to(tl.pointer_type(tl.int32))               # x' as int32 pairs of fp16
-            xa_lo = xi + ra * (stride_x // 2) + c * one
-            xa_hi = xi + (ra + 8) * (stride_x // 2) + c * one
-            mlo = ra < rows
-            mhi = (ra + 8) < rows
+            rstride = stride_x // 2
+            xa_lo = xi + ra * rstride + c * one
+            mlo = ()
+            mhi = ()
+            for b in tl.static_range(MB):
+                mlo = mlo + ((ra + 16 * b) < rows,)
+                mhi = mhi + ((ra + 16 * b + 8) < rows,)
             xorc = (lane * 0 + one * 0x3B603B60).to(tl.uint32)   # a register, not an immediate
-            acc = ()                                              # per tile: 2 mma × 4 C registers
+            acc = ()                                              # per tile and row block: 2 mma × 4 C registers
             for s_ in tl.static_range(NT):
                 zf = tl.zeros([32 * WARPS], tl.float32)
-                acc = acc + ((zf, zf, zf, zf, zf, zf, zf, zf),)
+                ab = ()
+                for b in tl.static_range(MB):
+                    ab = ab + ((zf, zf, zf, zf, zf, zf, zf, zf),)
+                acc = acc + (ab,)
         else:
             r_base = 2 * (lane % 4)                               # row of p = 0
-            mm = m0 + tl.arange(0, 16)
+            mm = m0 + tl.arange(0, 16 * MB)
             mmask = mm < rows
             acc = ()                                              # emulation: [row, warp, column 0..7] × 2
             for s_ in tl.static_range(NT):
-                zf = tl.zeros([16, WARPS, 8], tl.float32)
+                zf = tl.zeros([16 * MB, WARPS, 8], tl.float32)
                 acc = acc + ((zf, zf),)
-        # software pipelining: the words (and x' fragments) of k-tile a + 1 are loaded before k-tile a
-        # is decoded, so each lane has two tiles' loads in flight
-        wn = _load_words(pws, NT, WARPS * NW, NWL)
+        # software pipelining: the words (and x' fragments) of the next k-tile are loaded before this
+        # one is decoded, so each lane has two tiles' loads in flight. A warp whose k-tile lies past a1
+        # (KSPLIT tail) reads the last k-tile's words but a zero x', so it adds nothing.
+        ak = tl.minimum(a0 + kw, a1 - 1)
+        pws = ()
+        for i in tl.static_range(NWL):
+            pws = pws + (wbase[i] + ak * kstride,)
+        wn = _load_words(pws, NT, TSTRIDE * NW, NWL)
         if ASM:
-            xn = _load_xfrag(xa_lo, xa_hi, mlo, mhi, a0)
-        for a in range(a0, a1):
+            xn = _load_xfrag(xa_lo, mlo, mhi, (a0 + kw) < a1, ak, rstride, MB)
+        for a in range(a0, a1, STEP):
             wc = wn
-            an = tl.minimum(a + 1, a1 - 1)
-            step = (an - a) * (tn_total * NW)                        # 0 on the last k-tile (reloads it)
-            nxt = ()
+            ac = a + kw                                           # this iteration's k-tile (per warp)
+            an = tl.minimum(ac + STEP, a1 - 1)
+            pws = ()
             for i in tl.static_range(NWL):
-                nxt = nxt + (pws[i] + step,)
-            pws = nxt
-            wn = _load_words(pws, NT, WARPS * NW, NWL)
+                pws = pws + (wbase[i] + an * kstride,)
+            wn = _load_words(pws, NT, TSTRIDE * NW, NWL)
             if ASM:
-                x0, x1, x2, x3 = xn
-                xn = _load_xfrag(xa_lo, xa_hi, mlo, mhi, an)
+                xc = xn
+                xn = _load_xfrag(xa_lo, mlo, mhi, (ac + STEP) < a1, an, rstride, MB)
             new_acc = ()
             for s_ in tl.static_range(NT):
                 raw = wc[s_]
                 if ASM:
                     p01, p23, p45, p67 = _lane_decode(raw, rsh32, xorc, KA, HALF, CB, MULT, ADD, NWL)
-                    d = acc[s_]
-                    d0, d1, d2, d3 = _mma(x0, x1, x2, x3, p01, p23, d[0], d[1], d[2], d[3])
-                    d4, d5, d6, d7 = _mma(x0, x1, x2, x3, p45, p67, d[4], d[5], d[6], d[7])
-                    new_acc = new_acc + ((d0, d1, d2, d3, d4, d5, d6, d7),)
+                    nb = ()
+                    for b in tl.static_range(MB):
+                        x0, x1, x2, x3 = xc[b]
+                        d = acc[s_][b]
+                        d0, d1, d2, d3 = _mma(x0, x1, x2, x3, p01, p23, d[0], d[1], d[2], d[3])
+                        d4, d5, d6, d7 = _mma(x0, x1, x2, x3, p45, p67, d[4], d[5], d[6], d[7])
+                        nb = nb + ((d0, d1, d2, d3, d4, d5, d6, d7),)
+                    new_acc = new_acc + (nb,)
                 else:
-                    # the lane's NWL words, shifted so that its last bit is bit 0 of nf[NWL - 1]
-                    if (8 * KA + 4 * HALF) % 32 == 0:                    # K = 4, 8: every lane ends on a word
-                        nf = ()
-                        for i in tl.static_range(NWL):
-                            nf = nf + (raw[i].to(tl.uint32, bitcast=True),)
-                    else:
-                        prev = raw[0].to(tl.uint32, bitcast=True).to(tl.uint64)
-                        nf = ((prev >> rsh).to(tl.uint32),)
-                        for i in tl.static_range(1, NWL):
-                            cur = raw[i].to(tl.uint32, bitcast=True).to(tl.uint64)
-                            nf = nf + ((((prev << 32) | cur) >> rsh).to(tl.uint32),)
-                            prev = cur
-                    # position p's window ends D_p = (7 - p)·KA + HALF·(4 - (p + 1) // 2) bits before the end
-                    st = ()
-                    for p in tl.static_range(8):
-                        if NWL - 1 - ((7 - p) * KA + HALF * (4 - (p + 1) // 2)) // 32 == 0:
-                            sv = _window(nf[0], nf[0], ((7 - p) * KA + HALF * (4 - (p + 1) // 2)) % 32)
-                        else:
-                            sv = _window(nf[NWL - 2 - ((7 - p) * KA + HALF * (4 - (p + 1) // 2)) // 32],
-                                         nf[NWL - 1 - ((7 - p) * KA + HALF * (4 - (p + 1) // 2)) // 32],
-                                         ((7 - p) * KA + HALF * (4 - (p + 1) // 2)) % 32)
-                        st = st + (sv,)
+                    st = _lane_states(raw, rsh, KA, HALF, NWL)
                     lo = acc[s_][0]
                     hi = acc[s_][1]
+                    kvalid = (ac < a1)[None, :]
                     for p in tl.static_range(8):
                         v = _decode(st[p], CB, MULT, ADD, False)              # [32·WARPS]
-                        kr = a * 16 + r_base + (p & 1) + 8 * ((p >> 1) & 1)  # input index per lane
-                        xv = tl.load(x_ptr + mm[:, None] * stride_x + kr[None, :], mask=mmask[:, None],
-                                     other=0.0).to(tl.float32)                # [16, 32·WARPS]
-                        prod = tl.reshape(xv * v[None, :], [16, WARPS, 8, 4])
+                        kr = ac * 16 + r_base + (p & 1) + 8 * ((p >> 1) & 1)  # input index per lane
+                        xv = tl.load(x_ptr + mm[:, None] * stride_x + kr[None, :],
+                                     mask=mmask[:, None] & kvalid, other=0.0).to(tl.float32)  # [16·MB, 32·WARPS]
+                        prod = tl.reshape(xv * v[None, :], [16 * MB, WARPS, 8, 4])
                         if p < 4:
                             lo += tl.sum(prod, axis=3)                       # lanes 4G..4G+3 share column G
                         else:
@@ -234,27 +244,83 @@ if HAVE_TRITON:
             acc = new_acc
         out_p = tn_total * 16
         if ASM:
-            for s_ in tl.static_range(NT):
-                col = tiles[s_] * 16 + 2 * c * one
-                plo = zrow + ra * out_p + col
-                phi = zrow + (ra + 8) * out_p + col
-                d = acc[s_]
-                tl.store(plo, d[0], mask=mlo)
-                tl.store(plo + 1, d[1], mask=mlo)
-                tl.store(phi, d[2], mask=mhi)
-                tl.store(phi + 1, d[3], mask=mhi)
-                tl.store(plo + 8, d[4], mask=mlo)
-                tl.store(plo + 9, d[5], mask=mlo)
-                tl.store(phi + 8, d[6], mask=mhi)
-                tl.store(phi + 9, d[7], mask=mhi)
+            if KSPLIT:
+                # sum the warps' accumulators; the [32] result is stored by lane index l (any layout)
+                l32 = tl.arange(0, 32)
+                cb2 = 2 * (l32 % 4)
+                offs = (0, 1, 0, 1, 8, 9, 8, 9)
+                for b in tl.static_range(MB):
+                    rb = m0 + 16 * b + l32 // 4
+                    blo = rb < rows
+                    bhi = (rb + 8) < rows
+                    for s_ in tl.static_range(NT):
+                        col = (pid_n * NT + s_) * 16 + cb2
+                        plo = zrow + rb * out_p + col
+                        phi = zrow + (rb + 8) * out_p + col
+                        d = acc[s_][b]
+                        for q in tl.static_range(8):
+                            v = tl.sum(tl.reshape(d[q], [WARPS, 32]), axis=0)
+                            if q % 4 < 2:
+                                tl.store(plo + offs[q], v, mask=blo)
+                            else:
+                                tl.store(phi + offs[q], v, mask=bhi)
+            else:
+                for b in tl.static_range(MB):
+                    for s_ in tl.static_range(NT):
+                        col = (tile0 + s_ * TSTRIDE) * 16 + 2 * c * one
+                        plo = zrow + (ra + 16 * b) * out_p + col
+                        phi = plo + 8 * out_p
+                        d = acc[s_][b]
+                        tl.store(plo, d[0], mask=mlo[b])
+                        tl.store(plo + 1, d[1], mask=mlo[b])
+                        tl.store(phi, d[2], mask=mhi[b])
+                        tl.store(phi + 1, d[3], mask=mhi[b])
+                        tl.store(plo + 8, d[4], mask=mlo[b])
+                        tl.store(plo + 9, d[5], mask=mlo[b])
+                        tl.store(phi + 8, d[6], mask=mhi[b])
+                        tl.store(phi + 9, d[7], mask=mhi[b])
         else:
             cg = tl.arange(0, 8)
-            wi = tl.arange(0, WARPS)
-            for s_ in tl.static_range(NT):
-                col = ((pid_n * NT + s_) * WARPS + wi)[:, None] * 16 + cg[None, :]      # [WARPS, 8]
-                pz = zrow + mm[:, None, None] * out_p + col[None, :, :]
-                tl.store(pz, acc[s_][0], mask=mmask[:, None, None])
-                tl.store(pz + 8, acc[s_][1], mask=mmask[:, None, None])
+            if KSPLIT:
+                for s_ in tl.static_range(NT):
+                    col = (pid_n * NT + s_) * 16 + cg                                   # [8]
+                    pz = zrow + mm[:, None] * out_p + col[None, :]
+                    tl.store(pz, tl.sum(acc[s_][0], axis=1), mask=mmask[:, None])
+                    tl.store(pz + 8, tl.sum(acc[s_][1], axis=1), mask=mmask[:, None])
+            else:
+                wi = tl.arange(0, WARPS)
+                for s_ in tl.static_range(NT):
+                    col = ((pid_n * NT + s_) * WARPS + wi)[:, None] * 16 + cg[None, :]      # [WARPS, 8]
+                    pz = zrow + mm[:, None, None] * out_p + col[None, :, :]
+                    tl.store(pz, acc[s_][0], mask=mmask[:, None, None])
+                    tl.store(pz + 8, acc[s_][1], mask=mmask[:, None, None])
+
+    @triton.jit
+    def _lane_states(raw, rsh, KA: tl.constexpr, HALF: tl.constexpr, NWL: tl.constexpr):
+        """Plain-Triton lane decode up to the states (interpreter): the 8 windows of the lane's words."""
+        # the lane's NWL words, shifted so that its last bit is bit 0 of nf[NWL - 1]
+        if (8 * KA + 4 * HALF) % 32 == 0:                    # K = 4, 8: every lane ends on a word
+            nf = ()
+            for i in tl.static_range(NWL):
+                nf = nf + (raw[i].to(tl.uint32, bitcast=True),)
+        else:
+            prev = raw[0].to(tl.uint32, bitcast=True).to(tl.uint64)
+            nf = ((prev >> rsh).to(tl.uint32),)
+            for i in tl.static_range(1, NWL):
+                cur = raw[i].to(tl.uint32, bitcast=True).to(tl.uint64)
+                nf = nf + ((((prev << 32) | cur) >> rsh).to(tl.uint32),)
+                prev = cur
+        # position p's window ends D_p = (7 - p)·KA + HALF·(4 - (p + 1) // 2) bits before the end
+        st = ()
+        for p in tl.static_range(8):
+            if NWL - 1 - ((7 - p) * KA + HALF * (4 - (p + 1) // 2)) // 32 == 0:
+                sv = _window(nf[0], nf[0], ((7 - p) * KA + HALF * (4 - (p + 1) // 2)) % 32)
+            else:
+                sv = _window(nf[NWL - 2 - ((7 - p) * KA + HALF * (4 - (p + 1) // 2)) // 32],
+                             nf[NWL - 1 - ((7 - p) * KA + HALF * (4 - (p + 1) // 2)) // 32],
+                             ((7 - p) * KA + HALF * (4 - (p + 1) // 2)) % 32)
+            st = st + (sv,)
+        return st
 
 
 def words_per_lane(bits) -> int:
