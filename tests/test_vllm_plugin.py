@@ -317,3 +317,101 @@ def test_online_encoder_rank_local_expert_keys(tmp_path, monkeypatch):
     assert (g2.tp_size, g2.tp_rank, g2.tp_bounds) == (2, 1, (128, 256, 0, 128))
     assert (d2.tp_size, d2.tp_rank, d2.tp_bounds) == (2, 1, (0, 128, 128, 256))
     assert (d2.out_features, d2.in_features) == (128, 128) and d2.digest() != d1.digest()
+
+
+# ---- pre-quantized experts: stored codes per expert, this rank's 128-block slice ------------------------------
+def _stored_expert(h: int, i: int, k: int, seed: int) -> dict:
+    """Stored tensors of one gated expert as a checkpoint holds them (``{proj: {field: tensor}}``)."""
+    from exl3rt.format.codebooks import MARKERS
+
+    out = {}
+    for j, (p, (fin, fout)) in enumerate((("gate_proj", (h, i)), ("up_proj", (h, i)), ("down_proj", (i, h)))):
+        t, suh, svh = _random_codes(fin, fout, k, seed * 10 + j)
+        out[p] = {"trellis": t, "suh": suh, "svh": svh, "mcg": torch.tensor(MARKERS["mcg"], dtype=torch.int32)}
+    return out
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 3])
+def test_stored_experts_rank_slices_equal_the_hand_sliced_reconstruction(tp_size):
+    """Experts at K 2/3/4 (different trellis widths), loaded tensor by tensor as vLLM's expert loader hands
+    them over: each rank's matrices are the 128-block slice of the full reconstruction (gate/up: output
+    columns [i0, i1), down: input rows [i0, i1)), and their K is the stored one."""
+    from exl3rt.integrations.vllm.experts import GATED, StoredExperts, expert_slice
+
+    h, i, ks = 128, 768, (3, 2, 4)
+    stored = [_stored_expert(h, i, k, e) for e, k in enumerate(ks)]
+    for rank in range(tp_size):
+        sl = expert_slice("model.layers.0.mlp.experts", h, i, tp_size, rank, require_blocks=True)
+        col = StoredExperts("model.layers.0.mlp.experts", len(ks), GATED, sl)
+        for e, ex in enumerate(stored):
+            for p, fields in ex.items():
+                for f, t in fields.items():
+                    col.add(e, p, f, t)
+        enc = col.encoded()
+        for e, ex in enumerate(stored):
+            for p, fields in ex.items():
+                got = enc[e][p]
+                assert got.bits == ks[e] and got.codebook == "mcg"
+                assert got.name == f"model.layers.0.mlp.experts.{e}.{p}"
+                full = reconstruct(fields["trellis"], fields["suh"], fields["svh"], "mcg")   # [in, out]
+                want = full[sl.i0:sl.i1] if p == "down_proj" else full[:, sl.i0:sl.i1]
+                assert (got.in_features, got.out_features) == tuple(want.shape)
+                # float rounding of the Hadamards differs with the width: equal to fp32 noise, not bit for bit
+                torch.testing.assert_close(got.reconstruct(), want, rtol=1e-4, atol=1e-5)
+                t0, t1 = sl.i0 // 16, sl.i1 // 16   # and the codes are the stored tile sub-block, nothing re-encoded
+                sub = fields["trellis"][t0:t1] if p == "down_proj" else fields["trellis"][:, t0:t1]
+                assert torch.equal(got.trellis, sub)
+
+
+def test_stored_experts_errors_name_the_tensor_and_the_fix():
+    from exl3rt.format.errors import FormatError
+    from exl3rt.integrations.vllm.experts import GATED, StoredExperts, expert_slice
+
+    sl = expert_slice("model.layers.2.mlp.experts", 128, 256, 1, 0)
+    col = StoredExperts("model.layers.2.mlp.experts", 2, GATED, sl)
+    ex = _stored_expert(128, 256, 4, 0)
+    for p, fields in ex.items():
+        for f, t in fields.items():
+            col.add(0, p, f, t)
+    with pytest.raises(FormatError, match=r"model\.layers\.2\.mlp\.experts\.1\.gate_proj\.trellis: not in the "
+                                          r"checkpoint \(3 expert matrices.*store every expert"):
+        col.encoded()
+    with pytest.raises(FormatError, match=r"experts\.5\.up_proj\.bias: expert 5.*does not match the model config"):
+        col.add(5, "up_proj", "bias", torch.zeros(256))
+    with pytest.raises(FormatError, match=r"experts\.1\.up_proj\.bias: not an EXL3 tensor"):
+        col.add(1, "up_proj", "bias", torch.zeros(256))
+    # 256 columns over 4 ranks is 64 each: not a 128-block cut, refused before any code is loaded
+    with pytest.raises(ShardError, match=r"model\.layers\.2\.mlp\.experts: tensor parallelism 4 gives rank 1 expert "
+                                         r"intermediate columns \[64, 128\) of 256.*multiples of 128.*online EXL3"):
+        expert_slice("model.layers.2.mlp.experts", 128, 256, 4, 1, require_blocks=True)
+
+
+def test_rank_sliced_checkpoint_gives_the_same_codes_as_slicing_stored_experts(tmp_path):
+    """A rank-sliced checkpoint (exl3rt.moe.rank_checkpoint, TP 2) read rank-locally gives, per rank, exactly the
+    codes the per-expert loader cuts from the whole experts; a rank layer for another slice is refused."""
+    from exl3rt.format.encoded import EncodedLinear
+    from exl3rt.integrations.vllm.experts import GATED, StoredExperts, expert_slice, rank_layer_experts
+    from exl3rt.moe.rank_checkpoint import load_rank_sliced, save_rank_sliced
+
+    h, i, ks = 128, 256, (4, 3)
+    stored = [_stored_expert(h, i, k, e) for e, k in enumerate(ks)]
+    full = [{p: EncodedLinear.from_state_dict(f, p) for p, f in ex.items()} for ex in stored]
+    save_rank_sliced(tmp_path / "ck", {"model.layers.0.mlp": full}, 2)
+    for rank in range(2):
+        sl = expert_slice("model.layers.0.mlp.experts", h, i, 2, rank, require_blocks=True)
+        col = StoredExperts("model.layers.0.mlp.experts", len(ks), GATED, sl)
+        for e, ex in enumerate(stored):
+            for p, fields in ex.items():
+                for f, t in fields.items():
+                    col.add(e, p, f, t)
+        want = col.encoded()
+        layer = load_rank_sliced(tmp_path / "ck", rank, 2)["model.layers.0.mlp"]
+        got = rank_layer_experts(layer, sl, GATED)
+        for e in range(len(ks)):
+            for p in GATED:
+                assert got[e][p].name == want[e][p].name == f"model.layers.0.mlp.experts.{e}.{p}"
+                for f in ("trellis", "suh", "svh"):
+                    assert torch.equal(getattr(got[e][p], f), getattr(want[e][p], f)), (rank, e, p, f)
+        other = expert_slice("model.layers.0.mlp.experts", h, i, 2, 1 - rank, require_blocks=True)
+        with pytest.raises(ShardError, match=r"rank-sliced checkpoint gives rank .* of 2.*vLLM gives rank"):
+            rank_layer_experts(layer, other, GATED)

@@ -24,7 +24,7 @@ def _inspect(model):
     from exl3rt.integrations.vllm.config import Exl3VllmConfig
     from exl3rt.integrations.vllm.checkpoint_method import Exl3CheckpointLinearMethod
     from exl3rt.integrations.vllm.online_method import Exl3OnlineLinearMethod
-    from exl3rt.integrations.vllm.moe_method import Exl3OnlineMoEMethod
+    from exl3rt.integrations.vllm.moe_method import Exl3MoEMethodBase
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.linear import LinearBase
 
@@ -33,7 +33,7 @@ def _inspect(model):
         if isinstance(mod, RoutedExperts):
             qm = mod.quant_method
             experts[name] = type(qm).__name__
-            if isinstance(qm, Exl3OnlineMoEMethod):
+            if isinstance(qm, Exl3MoEMethodBase):
                 cfg = qm.quant_config
                 experts[name] += ":" + ",".join(f"{m.name}@K{m.bits}" for d in mod.exl3_experts for m in d.values())
                 experts[name] += "|" + mod.exl3_moe.path + "|" + json.dumps(mod.exl3_moe.launch_kinds())

@@ -38,11 +38,11 @@ def _serve(model: Path, cache: Path, out: Path, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
-def _hf_tokens(model: Path, config) -> tuple[list[list[int]], dict]:
+def _hf_tokens(model: Path, config, dtype=None) -> tuple[list[list[int]], dict]:
     """Greedy tokens of exl3rt's transformers path (``from_pretrained(..., quantization_config=config)``)."""
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.bfloat16, quantization_config=config)
+    m = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype or torch.bfloat16, quantization_config=config)
     out = []
     for p in PROMPTS:
         ids = torch.tensor([p])
@@ -168,3 +168,121 @@ def test_online_moe_matches_transformers_and_hits_cache(bf16_qwen_moe, tmp_path)
     second = _serve(bf16_qwen_moe, cache, tmp_path / "r2.json", "--bits", str(BITS))
     assert (second["summary"]["online"]["misses"], second["summary"]["online"]["hits"]) == (0, n_total)
     assert second["tokens"] == first["tokens"]
+
+
+# ---- MoE: a pre-quantized EXL3 checkpoint (exl3rt's converter, per-expert bitrates) ------------------------------
+#: converter overrides: experts differ in K (4 by default), every projection of an expert at one K
+EXPERT_OVERRIDES = (("*.experts.1.*", 3), ("*.experts.3.*", 5))
+EXPERT_K = {0: 4, 1: 3, 2: 4, 3: 5}
+
+
+@pytest.fixture(scope="module")
+def exl3_qwen_moe(bf16_qwen_moe, tmp_path_factory) -> Path:
+    from exl3rt.convert.run import convert_checkpoint
+
+    ckpt = tmp_path_factory.mktemp("m") / "qwen_moe_exl3"
+    convert_checkpoint(bf16_qwen_moe, ckpt, bits=BITS, head_bits=16, overrides=EXPERT_OVERRIDES, progress=False)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bf16_qwen_moe / f, ckpt / f)
+    return ckpt
+
+
+def _hf_tokens_from_stored_codes(bf16: Path, ckpt: Path, monkeypatch) -> tuple[list[list[int]], dict]:
+    """exl3rt's transformers path (``from_pretrained`` + ``Exl3Config``: Exl3Linear per matrix, the experts as
+    an ``Exl3MoE`` layer runtime) with every matrix's codes taken from the stored checkpoint instead of encoded."""
+    import exl3rt
+    import exl3rt.encode.quantize as quantize
+    from exl3rt.format.checkpoint import Exl3Checkpoint
+
+    stored = Exl3Checkpoint(ckpt)
+
+    def from_checkpoint(weight, bits, codebook="mcg", hessian=None, seed=0, *, name="", **kw):
+        enc = stored.load_linear(name)
+        assert enc.bits == bits, (name, enc.bits, bits)
+        enc.in_features, enc.out_features = int(weight.shape[0]), int(weight.shape[1])
+        return enc
+
+    monkeypatch.setattr(quantize, "quantize_weight", from_checkpoint)
+    cfg = exl3rt.Exl3Config(bits=BITS, bits_for=dict(EXPERT_OVERRIDES), cache_mode="off", progress=False)
+    return _hf_tokens(bf16, cfg, dtype=torch.float32)
+
+
+def _expert_names(experts: dict) -> dict[str, float]:
+    out = {}
+    for v in experts.values():
+        for item in v.split(":", 1)[1].split("|")[0].split(","):
+            name, k = item.split("@K")
+            out[name] = float(k)
+    return out
+
+
+def _check_checkpoint_moe(got: dict, how: str = "checkpoint") -> None:
+    experts = got["experts"]
+    assert got["summary"]["mode"] == "checkpoint"
+    assert len(experts) == MOE_LAYERS, experts
+    assert all(v.startswith("Exl3CheckpointMoEMethod:") for v in experts.values()), experts
+    ks = _expert_names(experts)  # every expert matrix went through the plugin's method, at its stored K
+    assert ks == {f"model.layers.{i}.mlp.experts.{e}.{p}": EXPERT_K[e] for i in range(MOE_LAYERS)
+                  for e in range(MOE_EXPERTS) for p in ("gate_proj", "up_proj", "down_proj")}
+    assert all(v.split("|")[1] == "runtime ((3, 1), (4, 2), (5, 1))" for v in experts.values()), experts
+    assert got["summary"]["layers"] == {**{f"model.layers.{i}.mlp.experts": how for i in range(MOE_LAYERS)},
+                                        **{f"model.layers.{i}.self_attn.{n}": "checkpoint" for i in range(MOE_LAYERS)
+                                           for n in ("qkv_proj", "o_proj")}}
+    assert "online" not in got["summary"]  # nothing encoded
+
+
+@pytest.fixture(scope="module")
+def served_exl3_moe(exl3_qwen_moe, tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("serve")
+    got = _serve(exl3_qwen_moe, tmp / "unused-cache", tmp / "r.json", "--dtype", "float32")
+    assert not (tmp / "unused-cache").exists()  # nothing encoded, no cache touched
+    return got
+
+
+def test_prequantized_moe_matches_transformers(bf16_qwen_moe, exl3_qwen_moe, served_exl3_moe, monkeypatch):
+    """A Qwen3-MoE converted by ``exl3rt quantize`` with experts at K 3/4/5: every expert matrix is loaded from
+    its stored codes by the plugin's checkpoint MoE method and run by a layer runtime (three tiers); the greedy
+    tokens equal exl3rt's transformers path on the same codes, token for token. Both run in float32: in BF16
+    this tiny random model has a near-tie (logits one BF16 ulp apart) that either side may break."""
+    got = served_exl3_moe
+    _check_checkpoint_moe(got)
+
+    want, summary = _hf_tokens_from_stored_codes(bf16_qwen_moe, exl3_qwen_moe, monkeypatch)
+    assert summary["moe"] == {f"model.layers.{i}.mlp.experts": "runtime ((3, 1), (4, 2), (5, 1))"
+                              for i in range(MOE_LAYERS)}, summary["moe"]
+    assert len({t for seq in want for t in seq}) >= 4, f"degenerate continuation {want}: not a useful check"
+    assert got["tokens"] == want
+
+
+def _rank_sliced_copy(ckpt: Path, out: Path, tp_size: int) -> Path:
+    """``ckpt`` with its experts re-written rank-sliced (exl3rt.moe.rank_checkpoint), the other tensors as they are."""
+    from safetensors.torch import save_file
+    from exl3rt.format.checkpoint import Exl3Checkpoint
+    from exl3rt.moe.rank_checkpoint import save_rank_sliced
+
+    src = Exl3Checkpoint(ckpt)
+    layers = {f"model.layers.{i}.mlp": [{p: src.load_linear(f"model.layers.{i}.mlp.experts.{e}.{p}")
+                                         for p in ("gate_proj", "up_proj", "down_proj")} for e in range(MOE_EXPERTS)]
+              for i in range(MOE_LAYERS)}
+    config = json.loads((ckpt / "config.json").read_text())
+    save_rank_sliced(out, layers, tp_size, config=config)
+    rest = {n: src.tensor(n).contiguous() for n in src.tensor_names() if ".mlp.experts." not in n}
+    save_file(rest, str(out / "model-rest.safetensors"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({n: "model-rest.safetensors" for n in rest})
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ckpt / f, out / f)
+    return out
+
+
+def test_prequantized_moe_rank_sliced_checkpoint(exl3_qwen_moe, served_exl3_moe, tmp_path):
+    """The same experts stored rank-sliced (``…experts.<e>.<proj>.rank0.*``, TP 1 here: one CPU process) load
+    rank-locally through the rank-sliced reader and give the same tokens as the per-expert checkpoint."""
+    ckpt = _rank_sliced_copy(exl3_qwen_moe, tmp_path / "rank_sliced", 1)
+    names = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.1.mlp.experts.3.down_proj.rank0.trellis" in names
+    assert not any(n.endswith("experts.3.down_proj.trellis") for n in names)
+    got = _serve(ckpt, tmp_path / "unused-cache", tmp_path / "r.json", "--dtype", "float32")
+    _check_checkpoint_moe(got, how="checkpoint (rank-sliced)")
+    assert got["tokens"] == served_exl3_moe["tokens"]

@@ -97,3 +97,109 @@ def test_unaligned_tp_split_is_a_clear_error(monkeypatch):
     with pytest.raises(ShardError, match=r"down_proj.*\[192, 384\).*multiples of 128"):
         RowParallelLinear(384, 256, bias=False, quant_config=_config(), prefix="model.layers.0.mlp.down_proj",
                           params_dtype=torch.float32, reduce_results=False)
+
+
+# ---- pre-quantized MoE experts: the checkpoint fused-MoE method, TP rank r of N simulated -----------------------
+def _moe(tp_size: int, tp_rank: int, *, experts: int = 3, hidden: int = 128, inter: int = 256):
+    """The FusedMoEConfig fields the plugin's MoE methods read (a stand-in: no vLLM config context needed)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(tp_size=tp_size, tp_rank=tp_rank, intermediate_size=inter, hidden_dim_unpadded=hidden,
+                           activation="silu", experts_per_token=2, max_num_tokens=64, num_logical_experts=experts,
+                           has_bias=False, use_ep=False)
+
+
+def _stored_moe(experts: int, hidden: int, inter: int, ks) -> list[dict]:
+    out = []
+    for e in range(experts):
+        out.append({"gate_proj": _codes(hidden, inter, ks[e], 10 * e + 1),
+                    "up_proj": _codes(hidden, inter, ks[e], 10 * e + 2),
+                    "down_proj": _codes(inter, hidden, ks[e], 10 * e + 3)})
+    for ex in out:  # small scales: a tame activation range
+        for p in ex.values():
+            p["svh"] = p["svh"] / 16
+    return out
+
+
+def _checkpoint_moe_layer(cfg, moe, stored, prefix="model.layers.0.mlp.experts"):
+    """A layer with the plugin's checkpoint MoE method, loaded as vLLM's RoutedExperts.load_weights does: each
+    per-expert tensor to parameter ``w13_<field>`` (gate: shard w1, up: w3) or ``w2_<field>`` with its expert id."""
+    from torch import nn
+    from exl3rt.integrations.vllm.moe_method import Exl3CheckpointMoEMethod
+
+    method = Exl3CheckpointMoEMethod(cfg, prefix, moe)
+    layer = nn.Module()
+    method.create_weights(layer, num_experts=len(stored), hidden_size=moe.hidden_dim_unpadded,
+                          intermediate_size_per_partition=moe.intermediate_size // moe.tp_size,
+                          params_dtype=torch.float32)
+    shard = {"gate_proj": ("w13", "w1"), "up_proj": ("w13", "w3"), "down_proj": ("w2", "w2")}
+    for e, ex in enumerate(stored):
+        for p, fields in ex.items():
+            group, sid = shard[p]
+            for f, t in fields.items():
+                param = getattr(layer, f"{group}_{f}")
+                assert param.weight_loader(param=param, loaded_weight=t, weight_name=f"{prefix}.{group}_{f}",
+                                           shard_id=sid, expert_id=e, return_success=True) is True
+    method.process_weights_after_loading(layer)
+    return method, layer
+
+
+def _moe_truth(stored, x, ids, w, i0=None, i1=None) -> torch.Tensor:
+    """Σ_k w · down(silu(gate x) · up x) in float64 from the full reconstructions; ``[i0, i1)``: a rank's columns."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    mats = [{p: reconstruct(f["trellis"], f["suh"], f["svh"], "mcg").double() for p, f in ex.items()} for ex in stored]
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            m = mats[int(ids[t, k])]
+            g, u, d = m["gate_proj"], m["up_proj"], m["down_proj"]
+            if i0 is not None:
+                g, u, d = g[:, i0:i1], u[:, i0:i1], d[i0:i1]
+            xt = x[t].double()
+            out[t] += float(w[t, k]) * ((torch.nn.functional.silu(xt @ g) * (xt @ u)) @ d)
+    return out
+
+
+def test_checkpoint_moe_method_rank_slices_sum_to_the_whole_layer():
+    """Experts at K 3/4/2 stored per expert; each of 2 ranks keeps its 128-column block of every expert and its
+    partial sum is the float64 truth of that block; the ranks' sum (vLLM's all-reduce) is the whole layer."""
+    stored = _stored_moe(3, 128, 256, (3, 4, 2))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 128, generator=g)
+    ids = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(6)]).to(torch.int32)
+    w = torch.softmax(torch.randn(6, 2, generator=g), -1)
+    total = torch.zeros(6, 128, dtype=torch.float64)
+    for rank in range(2):
+        cfg = _config()
+        method, layer = _checkpoint_moe_layer(cfg, _moe(2, rank), stored)
+        assert [[m.bits for m in d.values()] for d in layer.exl3_experts] == [[3] * 3, [4] * 3, [2] * 3]
+        assert layer.exl3_moe.path == "runtime ((2, 1), (3, 1), (4, 1))"
+        assert cfg.summary()["layers"] == {"model.layers.0.mlp.experts": "checkpoint"}
+        assert not hasattr(layer, "w13_trellis")  # placeholders dropped once the codes are in
+        y = method.apply(layer, x, w, ids).double()
+        torch.testing.assert_close(y, _moe_truth(stored, x, ids, w, 128 * rank, 128 * (rank + 1)), rtol=2e-4, atol=2e-4)
+        total += y
+    torch.testing.assert_close(total, _moe_truth(stored, x, ids, w), rtol=2e-4, atol=2e-4)
+
+
+def test_checkpoint_moe_misaligned_split_and_rank_sliced_tp_mismatch_are_clear_errors():
+    from types import SimpleNamespace
+
+    from exl3rt.integrations.vllm.shards import ShardError
+    from exl3rt.moe.rank_checkpoint import LayerMeta, RankCheckpointError, RankMetadata
+
+    with pytest.raises(ShardError, match=r"model\.layers\.0\.mlp\.experts: tensor parallelism 2 gives rank 1 expert "
+                                         r"intermediate columns \[192, 384\) of 384.*multiples of 128"):
+        _checkpoint_moe_layer(_config(), _moe(2, 1, inter=384), _stored_moe(3, 128, 384, (4, 4, 4)))
+    cfg = _config()
+    cfg.rank_meta = RankMetadata(2, "per_expert", {"model.layers.0.mlp": LayerMeta(3, 128, 256, True, (4,) * 3,
+                                                                                   ("mcg",) * 3)})
+    layer = SimpleNamespace(moe_config=_moe(4, 0))
+    with pytest.raises(RankCheckpointError, match=r"rank-sliced for tensor_parallel_size=2, vLLM runs "
+                                                  r"tensor_parallel_size=4.*--tensor-parallel-size 2"):
+        cfg._checkpoint_moe_method(layer, "model.layers.0.mlp.experts")
+    # vLLM's weight stream drops every rank's tensors (the method reads its own rank's from disk)
+    mapper = cfg.get_checkpoint_weight_mapper()
+    assert mapper.map_name("model.layers.0.mlp.experts.2.down_proj.rank1.trellis") is None
+    assert mapper.map_name("model.layers.0.mlp.experts.shared_h.up_proj.rank0.suh") is None
+    kept = "model.layers.0.mlp.experts.2.down_proj.trellis"
+    assert mapper.map_name(kept) == kept

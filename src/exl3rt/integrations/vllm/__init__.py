@@ -4,10 +4,11 @@ vLLM finds :func:`register` through the ``vllm.general_plugins`` entry point and
 process. Importing this package does not import vLLM; :func:`register` does.
 
 Files: ``config.py`` (the QuantizationConfig), ``online_method.py`` / ``checkpoint_method.py`` (the
-linear methods), ``moe_method.py`` (the online fused-MoE method), ``layout.py`` (a vLLM layer -> its
-EXL3 matrices), and the vLLM-free parts ``shards.py`` (names, TP bounds), ``slicing.py`` (rank pieces
-of stored codes), ``forward.py``, ``experts.py`` (MoE experts: rank slices, per-expert K, the layer
-runtime), ``settings.py`` (mode and config dict); ``_compat.py`` holds every vLLM import.
+linear methods), ``moe_method.py`` (the fused-MoE methods: online and pre-quantized), ``layout.py``
+(a vLLM layer -> its EXL3 matrices), and the vLLM-free parts ``shards.py`` (names, TP bounds),
+``slicing.py`` (rank pieces of stored codes), ``forward.py``, ``experts.py`` (MoE experts: rank
+slices, stored codes per expert, per-expert K, the layer runtime), ``settings.py`` (mode and config
+dict); ``_compat.py`` holds every vLLM import.
 """
 
 from __future__ import annotations

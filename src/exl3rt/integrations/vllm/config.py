@@ -8,6 +8,7 @@ served (``summary()``).
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Optional
 
 import torch
@@ -15,11 +16,15 @@ import torch
 from ...convert.plan import HEAD
 from ...runtime.config import Exl3Config
 from ...runtime.policy import is_embedding_name, is_router_name
-from ._compat import LinearBase, QuantizationConfig, QuantizeMethodBase, RoutedExperts, UnquantizedLinearMethod
-from .settings import guess_mode, online_config, requested_mode, stored_linears
+from ._compat import (LinearBase, QuantizationConfig, QuantizeMethodBase, RoutedExperts, UnquantizedLinearMethod,
+                      WeightsMapper)
+from .settings import guess_mode, hf_config_dict, online_config, requested_mode, stored_linears
 from .shards import ShardError, shard_names
 
 log = logging.getLogger("exl3rt.vllm")
+
+#: rank-sliced expert tensors (exl3rt.moe.rank_checkpoint): <prefix>.experts.<E|shared_h>.<proj>.rank<r>.<field>
+RANK_SLICED_NAME = re.compile(r"\.experts\.(\d+|shared_h)\.[^.]+\.rank\d+\.[^.]+$")
 
 NAME = "exl3"
 
@@ -36,14 +41,18 @@ class Exl3VllmConfig(QuantizationConfig):
         self.layers: dict[str, str] = {}        # prefix -> mode, filled as layers are processed
         self.moe_paths: dict[str, str] = {}     # experts prefix -> "runtime <tiers>" | "loop: <reason>"
         self.moe_warmed: set[int] = set()       # ids of MoE runtimes warmed in this process
+        self.model_dir: Optional[str] = None   # the checkpoint directory (checkpoint mode, local dirs)
+        self.rank_meta = None                   # exl3rt.moe.rank_checkpoint.RankMetadata of a rank-sliced checkpoint
         self._encoder = None
         self._moe_cache = None
+        self._rank_layers: Optional[dict[str, Any]] = None  # this rank's layers of a rank-sliced checkpoint
 
     # ---- pickling: the encoder (cache handles, stats) is per process --------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_encoder"] = None
         state["_moe_cache"] = None
+        state["_rank_layers"] = None
         state["moe_warmed"] = set()
         state.pop("_exl3rt_moe_scope", None)  # exl3rt.moe owner token: per process
         return state
@@ -91,13 +100,26 @@ class Exl3VllmConfig(QuantizationConfig):
         if mode == "online" and self.online is None:
             self.online = online_config({k: v for k, v in self.raw.items() if k in ("quant_method", "mode")})
         self.mode, self.stored = mode, stored
+        self.model_dir = str(model_name)
+        if mode == "checkpoint":
+            from ...moe.rank_checkpoint import METADATA_KEY, read_rank_metadata
+
+            qc = (hf_config_dict(model_name) or {}).get("quantization_config")
+            if isinstance(qc, dict) and METADATA_KEY in qc:
+                self.rank_meta = read_rank_metadata(model_name)
+
+    def get_checkpoint_weight_mapper(self):  # type: ignore[override]  (a staticmethod in vLLM's base class)
+        """vLLM's mapper, plus: rank-sliced expert tensors are dropped from vLLM's weight stream (this rank's
+        are read by :meth:`rank_layer`; other ranks' are never kept)."""
+        mapper = QuantizationConfig.get_checkpoint_weight_mapper()
+        if self.rank_meta is None:
+            return mapper
+        return mapper | WeightsMapper(orig_to_new_regex={RANK_SLICED_NAME: None})
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
         if isinstance(layer, RoutedExperts):
             if self.mode == "checkpoint":
-                raise NotImplementedError(f"{prefix}: pre-quantized EXL3 MoE experts are not supported by the exl3rt "
-                                          f"vLLM plugin yet (online mode and dense checkpoints are); serve the BF16 "
-                                          f"checkpoint with online EXL3, or this one with exl3rt's transformers path")
+                return self._checkpoint_moe_method(layer, prefix)
             return self._online_moe_method(layer, prefix)
         if not isinstance(layer, LinearBase):
             return None  # embeddings, the head: vLLM's unquantized methods
@@ -134,6 +156,60 @@ class Exl3VllmConfig(QuantizationConfig):
         if bits is None:
             return None  # ignored: vLLM's unquantized fused-MoE method
         return Exl3OnlineMoEMethod(self, prefix, moe, bits)
+
+    def _checkpoint_moe_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
+        from .experts import GATED, UNGATED, activation
+        from .moe_method import Exl3CheckpointMoEMethod, _activation_name
+
+        moe = layer.moe_config
+        gated, _ = activation(_activation_name(moe), prefix)
+        projs = GATED if gated else UNGATED
+        moe_prefix = prefix[: -len(".experts")] if prefix.endswith(".experts") else None
+        if self.rank_meta is not None and moe_prefix in self.rank_meta.layers:
+            from ...moe.rank_checkpoint import RankCheckpointError
+
+            if int(moe.tp_size) != self.rank_meta.tp_size:
+                raise RankCheckpointError(
+                    f"{prefix}: the checkpoint stores its experts rank-sliced for tensor_parallel_size="
+                    f"{self.rank_meta.tp_size}, vLLM runs tensor_parallel_size={moe.tp_size}; serve it with "
+                    f"--tensor-parallel-size {self.rank_meta.tp_size}, or re-slice the experts with "
+                    f"exl3rt.moe.rank_checkpoint.save_rank_sliced(..., tp_size={moe.tp_size})")
+            return Exl3CheckpointMoEMethod(self, prefix, moe, rank_sliced=True)
+        if self.stored is None:
+            return Exl3CheckpointMoEMethod(self, prefix, moe)
+        n = int(moe.num_logical_experts)
+        names = [f"{prefix}.{e}.{p}" for e in range(n) for p in projs]
+        present = [nm for nm in names if nm in self.stored]
+        if not present:
+            return None  # BF16 experts in an EXL3 checkpoint: vLLM's unquantized fused-MoE method
+        if len(present) != len(names):
+            missing = [nm for nm in names if nm not in self.stored]
+            raise ShardError(f"{prefix}: {len(present)} of its {len(names)} expert matrices are stored as EXL3 but "
+                             f"{missing[:3]}{' …' if len(missing) > 3 else ''} are not (no '.trellis'); vLLM runs a "
+                             f"MoE layer's experts as one fused layer: quantize all of them or none")
+        return Exl3CheckpointMoEMethod(self, prefix, moe)
+
+    def rank_layer(self, prefix: str, rank: int, tp_size: int):
+        """This rank's :class:`~exl3rt.moe.rank_checkpoint.RankLayer` of experts module ``prefix`` (rank-sliced
+        checkpoints). The first call reads rank ``rank``'s tensors of every layer (headers of all ranks are
+        checked, no other rank's data is read); each layer is handed out once."""
+        from ...moe.rank_checkpoint import RankCheckpointError, load_rank_sliced
+
+        if self._rank_layers is None:
+            if self.model_dir is None:
+                raise RankCheckpointError(f"{prefix}: rank-sliced experts but no local checkpoint directory")
+            self._rank_layers = load_rank_sliced(self.model_dir, rank, tp_size, device="cpu")
+        moe_prefix = prefix[: -len(".experts")]
+        try:
+            return self._rank_layers.pop(moe_prefix)
+        except KeyError:
+            raise RankCheckpointError(f"{prefix}: not in the rank-sliced checkpoint's layers (or loaded twice); "
+                                      f"quantization_config.moe_tp.layers must name {moe_prefix!r}") from None
+
+    @property
+    def moe_runtime(self) -> Optional[bool]:
+        """``Exl3Config.moe_runtime`` (online) or the checkpoint dict's ``moe_runtime`` (None: loop where needed)."""
+        return self.online.moe_runtime if self.online is not None else self.raw.get("moe_runtime")
 
     def _checkpoint_method(self, prefix: str, names: list[str]) -> QuantizeMethodBase:
         from .checkpoint_method import Exl3CheckpointLinearMethod

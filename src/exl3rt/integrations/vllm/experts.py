@@ -13,6 +13,11 @@ so seeds, ``bits_for``/``expert_bits``/``ignore`` patterns and, at TP=1, cache k
 ``quantize_model`` / ``from_pretrained``. With TP the rank's slice is its own cache entry (bounds in
 the key, as for dense layers).
 
+Pre-quantized experts (checkpoint mode) arrive as stored codes under the same names
+(``<experts>.{e}.{proj}.trellis/suh/svh/mcg|mul1``): :class:`StoredExperts` keeps this rank's piece of
+each (:func:`expert_piece`, 128-block cuts only, nothing re-encoded) in a dict per expert, so experts
+may differ in K; :func:`rank_layer_experts` takes a rank-sliced checkpoint's layer instead.
+
 The layer runs through an :class:`~exl3rt.moe.MoELayerRuntime` (tiers from the codes, decode/prefill
 plans with ``max_batched`` = vLLM's ``max_num_batched_tokens``, launches from the config's one
 :class:`~exl3rt.moe.MoERuntimeCache`, by default :func:`~exl3rt.moe.auto_launch_factory`): the fused
@@ -36,6 +41,9 @@ import torch
 import torch.nn.functional as F
 
 from ...format.bits import Bits
+from ...format.codebooks import MARKERS
+from ...format.encoded import EncodedLinear
+from ...format.errors import FormatError
 from ...format.hadamard import HAD_BLOCK
 from ...moe import (MoELayerRuntime, MoERuntimeCache, MoESettings, Owner, attach, is_capturing, rank_bounds,
                     tier_rotations, tiers_from_experts)
@@ -43,7 +51,8 @@ from ...moe.prewarm import warm_layer as _warm_layer
 from ...moe.tp import moe_partial
 from ...runtime.config import Exl3Config
 from ...runtime.policy import PolicyError, expert_overrides
-from .shards import ShardError
+from .shards import ShardError, ShardSpec
+from .slicing import PARTS, rank_piece
 
 log = logging.getLogger("exl3rt.vllm")
 
@@ -139,6 +148,114 @@ def expert_slice(layer: str, hidden: int, intermediate: int, tp_size: int, tp_ra
                 f"of {HAD_BLOCK}, or serve the BF16 checkpoint with online EXL3")
         assert (sl.i0, sl.i1) == rank_bounds(intermediate, tp_size, tp_rank)
     return sl
+
+
+# ---- stored (pre-quantized) experts: this rank's codes ------------------------------------------------
+#: vLLM's expert shard ids -> exl3rt projection (gated experts: w1 gate, w3 up, w2 down; ungated: w1 is up)
+SHARD_PROJS = {True: {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
+               False: {"w1": "up_proj", "w2": "down_proj"}}
+#: stored tensor fields of one expert matrix the checkpoint loader accepts (trellis/scales + codebook markers)
+FIELDS = PARTS + tuple(MARKERS)
+
+
+def expert_spec(sl: ExpertSlice, name: str, proj: str) -> ShardSpec:
+    """The :class:`ShardSpec` of expert matrix ``name`` (projection ``proj``) on ``sl``'s rank.
+
+    gate/up (``H -> I``) keep output rows ``[i0, i1)``; down (``I -> H``) keeps input columns ``[i0, i1)``.
+    """
+    h, i = sl.hidden, sl.intermediate
+    if proj == "down_proj":
+        bounds = (0, 0, 0, 0) if sl.is_whole else (0, h, sl.i0, sl.i1)
+        return ShardSpec(name, "w2", 0, h, sl.local, h, i, sl.tp_size, sl.tp_rank, bounds)
+    bounds = (0, 0, 0, 0) if sl.is_whole else (sl.i0, sl.i1, 0, h)
+    return ShardSpec(name, proj, 0, sl.local, h, i, h, sl.tp_size, sl.tp_rank, bounds)
+
+
+def expert_piece(field: str, tensor: torch.Tensor, sl: ExpertSlice, name: str, proj: str) -> tuple[str, torch.Tensor]:
+    """``(field, this rank's piece)`` of stored tensor ``<name>.<field>`` (legacy ``su``/``sv`` come back as
+    ``suh``/``svh``; codebook markers unchanged). The cut is on 128-blocks (``sl`` was made with
+    ``require_blocks``), so the piece is the stored codes of the rank's sub-matrix, nothing re-encoded."""
+    if field in MARKERS:
+        return field, tensor
+    if field not in PARTS:
+        raise FormatError(f"{name}.{field}: not an EXL3 tensor the exl3 plugin loads for MoE experts (expected "
+                          f"{', '.join(FIELDS)}); remove it from the checkpoint")
+    out = {"su": "suh", "sv": "svh"}.get(field, field)
+    return out, rank_piece(field, tensor, expert_spec(sl, name, proj))
+
+
+class StoredExperts:
+    """Collects a MoE layer's stored expert codes as vLLM's loader hands them over, one tensor at a time.
+
+    ``add(expert, proj, field, tensor)`` keeps this rank's piece; :meth:`encoded` builds each expert
+    matrix's :class:`EncodedLinear` (K from its own trellis, so every expert may have its own bitrate).
+    Experts are a dict per expert, never a stacked tensor: trellis widths differ between K.
+    """
+
+    def __init__(self, layer: str, num_experts: int, projs: Sequence[str], sl: ExpertSlice):
+        self.layer, self.num_experts, self.projs, self.slice = layer, int(num_experts), tuple(projs), sl
+        self.parts: list[dict[str, dict[str, torch.Tensor]]] = [{p: {} for p in self.projs}
+                                                                for _ in range(self.num_experts)]
+
+    def name(self, expert: int, proj: str) -> str:
+        return f"{self.layer}.{expert}.{proj}"
+
+    def add(self, expert: int, proj: str, field: str, tensor: torch.Tensor,
+            device: Optional[torch.device | str] = None) -> None:
+        expert = int(expert)
+        if not 0 <= expert < self.num_experts or proj not in self.projs:
+            raise FormatError(f"{self.layer}.{expert}.{proj}.{field}: expert {expert} / projection {proj!r} is not "
+                              f"one of this layer's {self.num_experts} experts x {self.projs}; the checkpoint does "
+                              f"not match the model config")
+        name = self.name(expert, proj)
+        key, piece = expert_piece(field, tensor, self.slice, name, proj)
+        self.parts[expert][proj][key] = piece.to(device) if device is not None else piece
+
+    def missing(self) -> list[str]:
+        """Names of the expert matrices with no trellis loaded (the checkpoint does not store them as EXL3)."""
+        return [self.name(e, p) for e in range(self.num_experts) for p in self.projs
+                if "trellis" not in self.parts[e][p]]
+
+    def encoded(self) -> list[dict[str, EncodedLinear]]:
+        """``[expert][proj] -> EncodedLinear`` of this rank (logical widths of the rank's slice)."""
+        missing = self.missing()
+        if missing:
+            raise FormatError(f"{missing[0]}.trellis: not in the checkpoint ({len(missing)} expert matrices of "
+                              f"{self.layer} missing); store every expert of a MoE layer as EXL3 (or none: vLLM "
+                              f"then serves BF16 experts unquantized)")
+        out = []
+        for e in range(self.num_experts):
+            ex = {}
+            for p in self.projs:
+                spec = expert_spec(self.slice, self.name(e, p), p)
+                ex[p] = EncodedLinear.from_state_dict(self.parts[e][p], spec.name, in_features=spec.in_features,
+                                                      out_features=spec.out_features)
+                if ex[p].in_padded < spec.in_features or ex[p].out_padded < spec.out_features:
+                    raise FormatError(f"{spec.name}.trellis: codes a [{ex[p].in_padded}, {ex[p].out_padded}] matrix, "
+                                      f"this rank needs [{spec.in_features}, {spec.out_features}] of it; the "
+                                      f"checkpoint does not match the model config (hidden / moe intermediate size)")
+            out.append(ex)
+        return out
+
+    def clear(self) -> None:
+        self.parts = []
+
+
+def rank_layer_experts(rank_layer: Any, sl: ExpertSlice, projs: Sequence[str]) -> list[dict[str, EncodedLinear]]:
+    """A rank-sliced checkpoint's layer (:class:`exl3rt.moe.rank_checkpoint.RankLayer`) as ``[expert][proj]``,
+    checked against the slice vLLM gives this rank (names are the per-expert names ``<experts>.<e>.<proj>``)."""
+    meta = rank_layer.meta
+    where = f"{rank_layer.prefix}.experts"
+    if (rank_layer.tp_size, rank_layer.rank) != (sl.tp_size, sl.tp_rank) or tuple(rank_layer.bounds) != (sl.i0, sl.i1):
+        raise ShardError(f"{where}: the rank-sliced checkpoint gives rank {rank_layer.rank} of {rank_layer.tp_size} "
+                         f"intermediate columns {list(rank_layer.bounds)}, vLLM gives rank {sl.tp_rank} of "
+                         f"{sl.tp_size} [{sl.i0}, {sl.i1}); serve it with tensor_parallel_size={rank_layer.tp_size}")
+    if (meta.hidden_size, meta.intermediate_size) != (sl.hidden, sl.intermediate) or tuple(meta.projs) != tuple(projs):
+        raise ShardError(f"{where}: the rank-sliced checkpoint has H={meta.hidden_size} I={meta.intermediate_size} "
+                         f"projections {meta.projs}, the model config H={sl.hidden} I={sl.intermediate} "
+                         f"{tuple(projs)}; the checkpoint was written for another model")
+    return [{p: dataclasses.replace(ex[p], name=f"{where}.{e}.{p}") for p in projs}
+            for e, ex in enumerate(rank_layer.experts)]
 
 
 # ---- bitrates --------------------------------------------------------------------------------------
@@ -318,5 +435,6 @@ def warm_layer(layer: MoELayerRuntime, done: set[int]) -> int:
     return n
 
 
-__all__ = ["ACTIVATIONS", "GATED", "UNGATED", "ExpertSlice", "Exl3VllmMoE", "VllmExpert", "activation",
-           "expert_bits", "expert_slice", "tier_reason", "warm_layer"]
+__all__ = ["ACTIVATIONS", "FIELDS", "GATED", "SHARD_PROJS", "UNGATED", "ExpertSlice", "Exl3VllmMoE", "StoredExperts",
+           "VllmExpert", "activation", "expert_bits", "expert_piece", "expert_slice", "expert_spec",
+           "rank_layer_experts", "tier_reason", "warm_layer"]

@@ -80,4 +80,16 @@ def stored_linears(model_dir: str | os.PathLike[str]) -> Optional[set[str]]:
     return {n[: -len(".trellis")] for n in names if n.endswith(".trellis")}
 
 
-__all__ = ["MODES", "requested_mode", "guess_mode", "online_config", "stored_linears"]
+def hf_config_dict(model_dir: str | os.PathLike[str]) -> Optional[dict[str, Any]]:
+    """``config.json`` of a local model directory as a dict (None: not a local directory, or no config)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    import json
+
+    with open(path) as f:
+        out = json.load(f)
+    return out if isinstance(out, dict) else None
+
+
+__all__ = ["MODES", "requested_mode", "guess_mode", "hf_config_dict", "online_config", "stored_linears"]
