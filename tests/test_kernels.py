@@ -122,6 +122,11 @@ def test_gemm_path_decode_then_matmul():
     ("mcg", 4, (256, 128), 37, (2, 1, 2, False, 2)),
     ("mul1", 2.5, (128, 256), 50, (1, 2, 2, False, 4)),
     ("3inst", 3, (256, 128), 20, (1, 2, 2, True, 2)),
+    # swap: the decoded tile as the A operand, 8 rows per row block
+    ("mcg", 4, (256, 128), 1, (2, 1, 4, False, 1, True)),
+    ("mcg", 3, (128, 256), 8, (1, 2, 2, False, 1, True)),
+    ("mul1", 2.5, (256, 128), 11, (2, 2, 3, False, 1, True)),
+    ("3inst", 6, (128, 128), 5, (1, 1, 8, False, 1, True)),
 ])
 def test_mma_matches_reconstruct(codebook, bits, shape, rows, cfg):
     """The warp-level mma GEMV (interpreter: its per-lane decode feeds an emulation of the mma;
@@ -132,9 +137,10 @@ def test_mma_matches_reconstruct(codebook, bits, shape, rows, cfg):
     x = torch.randn(rows, in_p, generator=torch.Generator().manual_seed(rows))
     ref = x.double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), codebook, dtype=torch.float64)
     nt, nw, tp, *more = cfg
-    ks, mb = (list(more) + [False, 1][len(more):])[:2]
+    ks, mb, sw = (list(more) + [False, 1, False][len(more):])[:3]
     y = kl.exl3_linear(x.to(DEV), tr, suh, svh, codebook, path="mma",
-                       mma_cfg=kl.MmaConfig(nt=nt, num_warps=nw, target_programs=tp, ksplit=ks, row_blocks=mb))
+                       mma_cfg=kl.MmaConfig(nt=nt, num_warps=nw, target_programs=tp, ksplit=ks, row_blocks=mb,
+                                            swap=sw))
     assert y.shape == (rows, out_p)
     assert _rel(y, ref) < 1e-3
 
@@ -158,10 +164,11 @@ def test_mma_words_per_lane():
 
 def test_dispatch_and_prewarm_buckets():
     assert [kl.choose_path(r) for r in (1, 2, 16, 17, 32, 33, 2048)] == \
-        ["gemv", "mma", "mma", "mma", "mma", "decode_mm", "decode_mm"]
-    assert [kl.choose_path(1, bits=b) for b in (2, 3.5, 4, 5, 6, 8)] == ["mma"] * 3 + ["gemv"] * 3
+        ["mma", "mma", "mma", "mma", "mma", "decode_mm", "decode_mm"]
+    assert [kl.choose_path(r, gemv_max_rows=4) for r in (1, 4, 5)] == ["gemv", "gemv", "mma"]
+    assert [kl.default_mma_config(r).swap for r in (1, 8, 9)] == [True, True, False]
     for bits in (2, 4, 6):
-        assert len({kl.specialization(r, bits) for r in kl.PREWARM_ROWS}) >= len(kl.PREWARM_ROWS) - 1
+        assert len({kl.specialization(r, bits) for r in kl.PREWARM_ROWS}) == len(kl.PREWARM_ROWS)
         # every row count maps to a bucket that PREWARM_ROWS covers
         assert {kl.specialization(r, bits) for r in range(1, 300)} <= \
             {kl.specialization(r, bits) for r in kl.PREWARM_ROWS}

@@ -5,13 +5,14 @@
 
 ``exl3_linear(x, trellis, suh, svh, codebook)`` picks a path by row count (:func:`choose_path`):
 
-* ``gemv`` (1 row): pre-pass ``x' = (x ⊙ suh)·Hk`` in fp32, ``gemv._gemv_kernel`` (FFMA,
+* ``gemv`` (only on request, ``path="gemv"``, ≤ 16 rows): pre-pass ``x' = (x ⊙ suh)·Hk`` in fp32, ``gemv._gemv_kernel`` (FFMA,
   decode on the fly) writes fp32 split-K partials, post-pass ``y = (Σ_s z[s])·Hn ⊙ svh``;
-* ``mma`` (1 row with K ≤ 4, 2–32 rows): the same passes around ``mma._mma_kernel`` — each lane
+* ``mma`` (1–32 rows): the same passes around ``mma._mma_kernel`` — each lane
   decodes its own ``mma.m16n8k16`` B fragment (the EXL3 tile order is that fragment order), x' in
   fp16, fp32 accumulators; the decode costs the same for 1 or 16 rows, and at 17–32 rows one
-  decode feeds two 16-row blocks (``MmaConfig.row_blocks``); at 5–16 rows a program's 4 warps split
-  its k-tiles (``MmaConfig.ksplit``);
+  decode feeds two 16-row blocks (``MmaConfig.row_blocks``); at 9–16 rows a program's 4 warps split
+  its k-tiles (``MmaConfig.ksplit``); up to 8 rows the decoded tile is the mma's A operand and x'ᵀ
+  the B operand (``MmaConfig.swap``: one mma per tile);
 * ``decode_mm`` (more rows): ``gemv._decode_kernel`` writes Q (fp16, bit-exact) once and cuBLAS
   computes ``x'·Q`` (fp16 operands, fp32 output), then the post-pass.
 
@@ -41,11 +42,10 @@ from .hadamard import had as _had
 from ._triton import triton
 
 GEMV_MAX_ROWS = 16     # the GEMV kernel's largest row block
-GEMV_DISPATCH_ROWS = 1  # exl3_linear may use the FFMA GEMV up to this many rows (H200, 4096x14336: rows 4
-                        # GEMV 57 µs vs mma 35)
-GEMV_MIN_BITS = 5       # ... and only for K >= this: with the inline-PTX lane decode the mma GEMV wins at
-                        # rows 1 for K <= 4 (H200, 4096x14336, 2026-11-30: K4 30.5 vs 33.9 µs, K2 30.9 vs
-                        # 33.9) and loses above (K6 35.8 vs 34.6)
+GEMV_DISPATCH_ROWS = 0  # exl3_linear uses the FFMA GEMV up to this many rows: none since the mma GEMV with
+                        # the lane decode and swapped operands beats it at 1 row for every K (H200,
+                        # 2026-11-30, one graph of 32 calls: 4096x14336 K4 25.8 vs 30.2 µs, K6 27.8 vs 31.0;
+                        # 14336x4096 K6 29.2 vs 34.6); path="gemv" still runs it (fp32 x', 2e-7 rel. error)
 
 
 def interpreting() -> bool:
@@ -82,9 +82,13 @@ class MmaConfig:
     num_stages: int = 1
     ksplit: bool = False
     row_blocks: int = 1
+    swap: bool = False   # ≤ 8 rows per row block: the tile is the mma's A operand (one mma per tile)
 
 
-DEFAULT_MMA = MmaConfig()  # best of 8 tried at rows 1/4/16, K 2/4/6, 4096x14336, H200 (tune_linear.py)
+# up to 8 rows: the decoded tile as the mma's A operand (one mma per tile, 78 registers), 4 tiles per
+# warp, ~4224 programs: best or within 5 % of 8 configurations at rows 1/4/8, K 2/3/4/6, three shapes
+# (H200, one graph of 32 calls, 2026-11-30)
+DEFAULT_MMA = MmaConfig(nt=4, num_warps=1, target_programs=4224, swap=True)
 # above 4 rows: 4 tiles per program, 4 warps splitting the k-tiles (H200, 4096x14336, one graph of 32
 # calls, 2026-11-30: rows 16 K4 43.5 vs 43.9 µs, K6 46.7 vs 51.4; rows 1 it loses: K4 34.6 vs 27.0)
 DEFAULT_MMA_MANY_ROWS = MmaConfig(nt=4, num_warps=4, target_programs=1056, ksplit=True)
@@ -96,7 +100,7 @@ DEFAULT_MMA_32_ROWS = MmaConfig(nt=4, num_warps=1, target_programs=2112, row_blo
 
 def default_mma_config(rows: int) -> MmaConfig:
     """The mma GEMV's launch configuration for ``rows`` (see :data:`DEFAULT_MMA_MANY_ROWS`)."""
-    if rows <= 4:
+    if rows <= 8:
         return DEFAULT_MMA
     return DEFAULT_MMA_MANY_ROWS if rows <= 16 else DEFAULT_MMA_32_ROWS
 
@@ -205,14 +209,17 @@ def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Opt
         in_tiles, tn, nt, (ka, half), (cb, mult, add) = _geometry(trellis, codebook, cfg.nt * cfg.num_warps)
         warps = min(cfg.num_warps, nt)
         nt_warp = nt // warps
-    n_blocks, m_blocks = tn // nt, triton.cdiv(rows, 16 * cfg.row_blocks)
+    if cfg.swap and (cfg.ksplit or cfg.row_blocks != 1):
+        raise ValueError(f"{cfg}: swap takes neither ksplit nor row_blocks")
+    n_blocks, m_blocks = tn // nt, triton.cdiv(rows, (8 if cfg.swap else 16) * cfg.row_blocks)
     splits, k_per = gemv_splits(in_tiles, n_blocks * m_blocks, cfg.target_programs)
     z = torch.empty((splits, rows, tn * 16), dtype=torch.float32, device=xh.device)
     grid = (n_blocks, splits, m_blocks)
     _mm._mma_kernel[grid](xh, trellis.view(torch.int32), z, rows, in_tiles, tn, k_per, xh.stride(0), z.stride(0), 1,
                           KA=ka, HALF=half, CB=cb, MULT=mult, ADD=add, NT=nt_warp, WARPS=warps,
                           NWL=_mm.words_per_lane(bits_from_trellis(trellis)), ASM=_use_asm(xh.device),
-                          KSPLIT=cfg.ksplit, MB=cfg.row_blocks, num_warps=warps, num_stages=cfg.num_stages)
+                          KSPLIT=cfg.ksplit, MB=cfg.row_blocks, SWAP=cfg.swap, num_warps=warps,
+                          num_stages=cfg.num_stages)
     return z
 
 
@@ -221,10 +228,10 @@ MMA_MAX_ROWS = 32  # the mma GEMV decodes once per 16 (17-32 rows: 32) rows; abo
 
 
 def choose_path(rows: int, gemv_max_rows: int = GEMV_DISPATCH_ROWS, bits: Optional[Bits] = None) -> str:
-    """``gemv`` (fp32 FFMA decode-on-the-fly) up to ``gemv_max_rows`` rows when K >=
-    :data:`GEMV_MIN_BITS` (or K unknown), ``mma`` (warp-level tensor-core GEMV) up to
-    :data:`MMA_MAX_ROWS`, else ``decode_mm`` (Q to fp16, then cuBLAS)."""
-    if rows <= min(gemv_max_rows, GEMV_MAX_ROWS) and (bits is None or float(bits) >= GEMV_MIN_BITS):
+    """``gemv`` (fp32 FFMA decode-on-the-fly) up to ``gemv_max_rows`` rows (none by default),
+    ``mma`` (warp-level tensor-core GEMV) up to :data:`MMA_MAX_ROWS`, else ``decode_mm`` (Q to
+    fp16, then cuBLAS). ``bits``: reserved for K-dependent thresholds (none at present)."""
+    if rows <= min(gemv_max_rows, GEMV_MAX_ROWS):
         return "gemv"
     return "mma" if rows <= MMA_MAX_ROWS else "decode_mm"
 
@@ -291,7 +298,7 @@ def specialization(rows: int, bits: Optional[Bits] = None) -> tuple:
     return (path, cfg, min(16, next_pow2(rows)))
 
 
-PREWARM_ROWS = (1, 2, 3, 5, 8, 16, 17, 33)  # one row count per bucket of :func:`specialization`
+PREWARM_ROWS = (1, 2, 3, 5, 9, 17, 33)  # one row count per bucket of :func:`specialization`
 
 
 def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Iterable[int] = PREWARM_ROWS,
@@ -322,5 +329,5 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Iterable[int] = 
 
 
 __all__ = ["exl3_linear", "gemv_rotated", "decode_fp16", "prewarm", "GemvConfig", "DecodeConfig",
-           "MmaConfig", "mma_rotated", "choose_path", "specialization", "PREWARM_ROWS", "MMA_MAX_ROWS",
-           "GEMV_MAX_ROWS", "GEMV_DISPATCH_ROWS", "GEMV_MIN_BITS", "interpreting", "gemv_splits"]
+           "MmaConfig", "mma_rotated", "choose_path", "default_mma_config", "specialization", "PREWARM_ROWS", "MMA_MAX_ROWS",
+           "GEMV_MAX_ROWS", "GEMV_DISPATCH_ROWS", "interpreting", "gemv_splits"]

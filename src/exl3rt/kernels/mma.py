@@ -110,26 +110,32 @@ if HAVE_TRITON:
                           tl.load(lo + 4, mask=mlo[b] & kv, other=0), tl.load(hi + 4, mask=mhi[b] & kv, other=0)),)
         return out
 
+    @triton.jit
+    def _load_bfrag(xb, mrow, kv, a):
+        """SWAP: the lane's B fragment (x'ᵀ, 16 × 8) of k-tile a: x'[g, 16a + 2c (+8)] (int32 fp16 pairs)."""
+        return (tl.load(xb + 8 * a, mask=mrow & kv, other=0), tl.load(xb + 8 * a + 4, mask=mrow & kv, other=0))
+
     @triton.jit(do_not_specialize=["rows", "one"])
     def _mma_kernel(x_ptr, w_ptr, z_ptr, rows, in_tiles, tn_total, k_per, stride_x, stride_zs, one,
                     KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
                     ADD: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr,
-                    ASM: tl.constexpr, KSPLIT: tl.constexpr, MB: tl.constexpr):
-        """z[split, m, n] = Σ_{k in split} x'[m, k]·Q[k, n] for 16·MB rows (pid 2), NT·WARPS n-tiles (NT
-        with KSPLIT: the warps split the k-tiles), one K-split."""
+                    ASM: tl.constexpr, KSPLIT: tl.constexpr, MB: tl.constexpr, SWAP: tl.constexpr):
+        """z[split, m, n] = Σ_{k in split} x'[m, k]·Q[k, n] for 16·MB rows (8 with SWAP; pid 2), NT·WARPS
+        n-tiles (NT with KSPLIT: the warps split the k-tiles), one K-split."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
         a0 = pid_k * k_per
         a1 = tl.minimum(a0 + k_per, in_tiles)
-        _mma_pass(x_ptr, w_ptr, z_ptr + pid_k * stride_zs, rows, pid_m * 16 * MB, a0, a1, pid_n, tn_total, stride_x,
-                  one, KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, KSPLIT, MB)
+        _mma_pass(x_ptr, w_ptr, z_ptr + pid_k * stride_zs, rows, pid_m * (8 if SWAP else 16) * MB, a0, a1, pid_n,
+                  tn_total, stride_x, one, KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, KSPLIT, MB, SWAP)
 
     @triton.jit
     def _mma_pass(x_ptr, w_ptr, zrow, rows, m0, a0, a1, pid_n, tn_total, stride_x, one,
                   KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
                   ADD: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr,
-                  ASM: tl.constexpr, KSPLIT: tl.constexpr = False, MB: tl.constexpr = 1):
+                  ASM: tl.constexpr, KSPLIT: tl.constexpr = False, MB: tl.constexpr = 1,
+                  SWAP: tl.constexpr = False):
         """Rows ``m0 .. m0 + 16·MB − 1`` (those < ``rows``; MB 16-row blocks share each decoded tile) of ``z = x'·Q[a0·16 : a1·16, :]`` for the n-tiles of
         ``pid_n``, stored at ``zrow`` (``[rows, out_p]`` fp32); ``w_ptr`` points at Q's first tile.
 
@@ -139,7 +145,12 @@ if HAVE_TRITON:
         (s < NT) over all k-tiles; with ``KSPLIT`` the warps share tiles ``pid_n·NT + s`` and split
         the k-tiles (warp w takes ``a0 + w, a0 + w + WARPS, …``), then sum their accumulators once
         (through shared memory) — WARPS times fewer split-K partials for the post-pass to read.
+
+        ``SWAP`` (at most 8 rows, not with KSPLIT or MB > 1): the decoded tile is the mma's *A* operand
+        (Qᵀ, 16 × 16: the lane's registers p01, p45, p23, p67 are exactly its A fragment) and x'ᵀ the B
+        operand (16 × 8): one ``mma.m16n8k16`` per tile instead of two, 4 accumulators instead of 8.
         """
+        RB: tl.constexpr = 8 if SWAP else 16                       # rows per row block
         NW: tl.constexpr = 8 * KA + 4 * HALF                      # words per tile
         STEP: tl.constexpr = WARPS if KSPLIT else 1               # k-tiles per loop iteration
         TSTRIDE: tl.constexpr = 1 if KSPLIT else WARPS            # tile s of a warp: tile0 + s·TSTRIDE
@@ -170,6 +181,7 @@ if HAVE_TRITON:
             xi = x_ptr.to(tl.pointer_type(tl.int32))               # x' as int32 pairs of fp16
             rstride = stride_x // 2
             xa_lo = xi + ra * rstride + c * one
+            mrow = ra < rows                                       # SWAP: the lane's x' row g exists
             mlo = ()
             mhi = ()
             for b in tl.static_range(MB):
@@ -181,15 +193,18 @@ if HAVE_TRITON:
                 zf = tl.zeros([32 * WARPS], tl.float32)
                 ab = ()
                 for b in tl.static_range(MB):
-                    ab = ab + ((zf, zf, zf, zf, zf, zf, zf, zf),)
+                    if SWAP:
+                        ab = ab + ((zf, zf, zf, zf),)
+                    else:
+                        ab = ab + ((zf, zf, zf, zf, zf, zf, zf, zf),)
                 acc = acc + (ab,)
         else:
             r_base = 2 * (lane % 4)                               # row of p = 0
-            mm = m0 + tl.arange(0, 16 * MB)
+            mm = m0 + tl.arange(0, RB * MB)
             mmask = mm < rows
             acc = ()                                              # emulation: [row, warp, column 0..7] × 2
             for s_ in tl.static_range(NT):
-                zf = tl.zeros([16 * MB, WARPS, 8], tl.float32)
+                zf = tl.zeros([RB * MB, WARPS, 8], tl.float32)
                 acc = acc + ((zf, zf),)
         # software pipelining: the words (and x' fragments) of the next k-tile are loaded before this
         # one is decoded, so each lane has two tiles' loads in flight. A warp whose k-tile lies past a1
@@ -200,7 +215,10 @@ if HAVE_TRITON:
             pws = pws + (wbase[i] + ak * kstride,)
         wn = _load_words(pws, NT, TSTRIDE * NW, NWL)
         if ASM:
-            xn = _load_xfrag(xa_lo, mlo, mhi, (a0 + kw) < a1, ak, rstride, MB)
+            if SWAP:
+                xn = _load_bfrag(xa_lo, mrow, (a0 + kw) < a1, ak)
+            else:
+                xn = _load_xfrag(xa_lo, mlo, mhi, (a0 + kw) < a1, ak, rstride, MB)
         for a in range(a0, a1, STEP):
             wc = wn
             ac = a + kw                                           # this iteration's k-tile (per warp)
@@ -211,20 +229,28 @@ if HAVE_TRITON:
             wn = _load_words(pws, NT, TSTRIDE * NW, NWL)
             if ASM:
                 xc = xn
-                xn = _load_xfrag(xa_lo, mlo, mhi, (ac + STEP) < a1, an, rstride, MB)
+                if SWAP:
+                    xn = _load_bfrag(xa_lo, mrow, (ac + STEP) < a1, an)
+                else:
+                    xn = _load_xfrag(xa_lo, mlo, mhi, (ac + STEP) < a1, an, rstride, MB)
             new_acc = ()
             for s_ in tl.static_range(NT):
                 raw = wc[s_]
                 if ASM:
                     p01, p23, p45, p67 = _lane_decode(raw, rsh32, xorc, KA, HALF, CB, MULT, ADD, NWL)
-                    nb = ()
-                    for b in tl.static_range(MB):
-                        x0, x1, x2, x3 = xc[b]
-                        d = acc[s_][b]
-                        d0, d1, d2, d3 = _mma(x0, x1, x2, x3, p01, p23, d[0], d[1], d[2], d[3])
-                        d4, d5, d6, d7 = _mma(x0, x1, x2, x3, p45, p67, d[4], d[5], d[6], d[7])
-                        nb = nb + ((d0, d1, d2, d3, d4, d5, d6, d7),)
-                    new_acc = new_acc + (nb,)
+                    if SWAP:
+                        d = acc[s_][0]
+                        d0, d1, d2, d3 = _mma(p01, p45, p23, p67, xc[0], xc[1], d[0], d[1], d[2], d[3])
+                        new_acc = new_acc + (((d0, d1, d2, d3),),)
+                    else:
+                        nb = ()
+                        for b in tl.static_range(MB):
+                            x0, x1, x2, x3 = xc[b]
+                            d = acc[s_][b]
+                            d0, d1, d2, d3 = _mma(x0, x1, x2, x3, p01, p23, d[0], d[1], d[2], d[3])
+                            d4, d5, d6, d7 = _mma(x0, x1, x2, x3, p45, p67, d[4], d[5], d[6], d[7])
+                            nb = nb + ((d0, d1, d2, d3, d4, d5, d6, d7),)
+                        new_acc = new_acc + (nb,)
                 else:
                     st = _lane_states(raw, rsh, KA, HALF, NWL)
                     lo = acc[s_][0]
@@ -235,7 +261,7 @@ if HAVE_TRITON:
                         kr = ac * 16 + r_base + (p & 1) + 8 * ((p >> 1) & 1)  # input index per lane
                         xv = tl.load(x_ptr + mm[:, None] * stride_x + kr[None, :],
                                      mask=mmask[:, None] & kvalid, other=0.0).to(tl.float32)  # [16·MB, 32·WARPS]
-                        prod = tl.reshape(xv * v[None, :], [16 * MB, WARPS, 8, 4])
+                        prod = tl.reshape(xv * v[None, :], [RB * MB, WARPS, 8, 4])
                         if p < 4:
                             lo += tl.sum(prod, axis=3)                       # lanes 4G..4G+3 share column G
                         else:
@@ -244,7 +270,19 @@ if HAVE_TRITON:
             acc = new_acc
         out_p = tn_total * 16
         if ASM:
-            if KSPLIT:
+            if SWAP:
+                # C = (Qᵀ·x'ᵀ) fragment: d0/d1 = (column g, rows 2c / 2c + 1), d2/d3 the same at column g + 8
+                rw = m0 + 2 * c
+                m_a = rw < rows
+                m_b = (rw + 1) < rows
+                for s_ in tl.static_range(NT):
+                    pz = zrow + rw * out_p + (tile0 + s_ * TSTRIDE) * 16 + g
+                    d = acc[s_][0]
+                    tl.store(pz, d[0], mask=m_a)
+                    tl.store(pz + out_p, d[1], mask=m_b)
+                    tl.store(pz + 8, d[2], mask=m_a)
+                    tl.store(pz + out_p + 8, d[3], mask=m_b)
+            elif KSPLIT:
                 # sum the warps' accumulators; the [32] result is stored by lane index l (any layout)
                 l32 = tl.arange(0, 32)
                 cb2 = 2 * (l32 % 4)
