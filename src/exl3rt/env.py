@@ -104,6 +104,10 @@ KERNEL_NO_ASM: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_NO_ASM", False, _flag,
     "1: the GPU kernels decode with plain Triton ops instead of inline PTX (debugging, other GPUs)")
 
+KERNEL_NO_PDL: EnvVar[bool] = EnvVar(
+    "EXL3RT_KERNEL_NO_PDL", False, _flag,
+    "1: launch the linear kernels without programmatic dependent launch (each waits for the last)")
+
 def _positive_int(raw: str) -> int:
     try:
         value = int(raw)
@@ -152,7 +156,7 @@ VLLM_CODEBOOK: EnvVar[Optional[str]] = EnvVar(
     "vLLM online EXL3: codebook when quantization_config has no 'codebook' (unset = mcg)")
 
 ALL: tuple[EnvVar, ...] = (LOG_LEVEL, GOLDEN_DIR, KERNEL_CACHE_DIR, MODELS_DIR, CACHE_MODE, CACHE_DIR,
-                           KERNEL_NO_ASM, MOE_MAX_DECODE_M, MOE_PREFILL_BLOCK_M, MOE_PREFILL_CAPACITY,
+                           KERNEL_NO_ASM, KERNEL_NO_PDL, MOE_MAX_DECODE_M, MOE_PREFILL_BLOCK_M, MOE_PREFILL_CAPACITY,
                            VLLM_BITS, VLLM_CODEBOOK)
 
 

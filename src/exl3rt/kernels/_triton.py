@@ -12,4 +12,12 @@ except ImportError:  # pragma: no cover
     tl = None
     HAVE_TRITON = False
 
-__all__ = ["triton", "tl", "HAVE_TRITON"]
+try:  # grid dependency control (programmatic dependent launch, sm_90+): Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAVE_GDC = True
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+    HAVE_GDC = False
+
+__all__ = ["triton", "tl", "HAVE_TRITON", "HAVE_GDC", "gdc_wait", "gdc_launch_dependents"]

@@ -14,7 +14,10 @@ from __future__ import annotations
 import torch
 
 from ..util.ints import next_pow2
-from ._triton import HAVE_TRITON, tl, triton
+from ._triton import HAVE_GDC, HAVE_TRITON, tl, triton
+
+if HAVE_GDC:
+    from ._triton import gdc_launch_dependents, gdc_wait
 
 if HAVE_TRITON:
     @triton.jit
@@ -31,8 +34,13 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["rows", "splits"])
     def _had_kernel(x_ptr, s_ptr, y_ptr, rows, n, splits, stride_split, PRE: tl.constexpr,
-                    BR: tl.constexpr, SB: tl.constexpr):
-        """One [BR, 128] block: PRE: y = (x ⊙ s)·H; else y = (Σ_split x[split])·H ⊙ s  (H = H128/√128)."""
+                    BR: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False):
+        """One [BR, 128] block: PRE: y = (x ⊙ s)·H; else y = (Σ_split x[split])·H ⊙ s  (H = H128/√128).
+        ``PDL`` (programmatic dependent launch): let the next kernel launch now, wait for the previous
+        one's writes before reading."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         pid_r = tl.program_id(0)
         pid_c = tl.program_id(1)
         r = pid_r * BR + tl.arange(0, BR)
@@ -59,7 +67,7 @@ if HAVE_TRITON:
 
 
 def had(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, pre: bool, splits: int = 1,
-        stride_split: int = 0) -> torch.Tensor:
+        stride_split: int = 0, pdl: bool = False) -> torch.Tensor:
     """pre: out = (x ⊙ scale)·H per 128-block; post: out = (Σ_split x[split])·H ⊙ scale. One launch."""
     rows, n = out.shape
     # post-pass: at most 4 rows per program (more programs, each summing SB splits per load: ~64
@@ -68,5 +76,6 @@ def had(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, pre: bool, s
     warps = 1 if br <= 2 else 4
     sb = 1 if pre else min(max(1, (64 * 32 * warps) // (br * 128)), next_pow2(splits))
     grid = (triton.cdiv(rows, br), n // 128)
-    _had_kernel[grid](x, scale, out, rows, n, splits, stride_split, PRE=pre, BR=br, SB=sb, num_warps=warps)
+    extra = {"PDL": True, "launch_pdl": True} if pdl else {}
+    _had_kernel[grid](x, scale, out, rows, n, splits, stride_split, PRE=pre, BR=br, SB=sb, num_warps=warps, **extra)
     return out

@@ -24,6 +24,7 @@ of layer shapes ahead (e.g. before CUDA-graph capture) and returns how many laun
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -39,7 +40,7 @@ from . import mma as _mm
 from . import gemv as _g
 from .hadamard import had as _had
 
-from ._triton import triton
+from ._triton import HAVE_GDC, triton
 
 GEMV_MAX_ROWS = 16     # the GEMV kernel's largest row block
 GEMV_DISPATCH_ROWS = 0  # exl3_linear uses the FFMA GEMV up to this many rows: none since the mma GEMV with
@@ -135,6 +136,26 @@ def _use_asm(device: torch.device) -> bool:
     return device.type == "cuda" and not interpreting() and not env.KERNEL_NO_ASM.get()
 
 
+def _use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch for the three launches of a call (sm_90+, Triton with grid
+    dependency control and the ``launch_pdl`` option): each kernel lets the next one launch at its
+    start and waits for the previous one's writes only where it reads them (the mma kernel issues its
+    first weight loads before waiting for x')."""
+    if device.type != "cuda" or interpreting() or env.KERNEL_NO_PDL.get() or not HAVE_GDC:
+        return False
+    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_supported(index: int) -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}) and \
+        torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def _check(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> tuple[int, int, Bits]:
     bits = bits_from_trellis(trellis)
     in_p, out_p = trellis.shape[0] * 16, trellis.shape[1] * 16
@@ -219,8 +240,12 @@ def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Opt
                           KA=ka, HALF=half, CB=cb, MULT=mult, ADD=add, NT=nt_warp, WARPS=warps,
                           NWL=_mm.words_per_lane(bits_from_trellis(trellis)), ASM=_use_asm(xh.device),
                           KSPLIT=cfg.ksplit, MB=cfg.row_blocks, SWAP=cfg.swap, num_warps=warps,
-                          num_stages=cfg.num_stages)
+                          num_stages=cfg.num_stages, **_pdl_args(xh.device))
     return z
+
+
+def _pdl_args(device: torch.device) -> dict:
+    return {"PDL": True, "launch_pdl": True} if _use_pdl(device) else {}
 
 
 PATHS = ("auto", "gemv", "mma", "decode_mm")
@@ -270,11 +295,13 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
         _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0))
         return y
     xh = torch.empty((rows, in_p), dtype=torch.float16, device=x.device)
-    _had(x, suh, xh, pre=True)
     if path == "mma":
+        pdl = _use_pdl(x.device)
+        _had(x, suh, xh, pre=True, pdl=pdl)
         z = mma_rotated(xh, trellis, codebook, mma_cfg)
-        _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0))
+        _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0), pdl=pdl)
         return y
+    _had(x, suh, xh, pre=True)
     q = decode_fp16(trellis, codebook, decode_cfg)
     z = torch.matmul(xh, q).float() if x.device.type == "cpu" else _mm_fp32(xh, q)
     _had(z, svh, y, pre=False)

@@ -32,7 +32,10 @@ decode feeds a plain-Triton emulation of the two mma (gathered x' values, one FM
 
 from __future__ import annotations
 
-from ._triton import HAVE_TRITON, tl, triton
+from ._triton import HAVE_GDC, HAVE_TRITON, tl, triton
+
+if HAVE_GDC:
+    from ._triton import gdc_wait
 
 if HAVE_TRITON:
     from triton.runtime.jit import constexpr_function
@@ -119,23 +122,26 @@ if HAVE_TRITON:
     def _mma_kernel(x_ptr, w_ptr, z_ptr, rows, in_tiles, tn_total, k_per, stride_x, stride_zs, one,
                     KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
                     ADD: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr,
-                    ASM: tl.constexpr, KSPLIT: tl.constexpr, MB: tl.constexpr, SWAP: tl.constexpr):
+                    ASM: tl.constexpr, KSPLIT: tl.constexpr, MB: tl.constexpr, SWAP: tl.constexpr,
+                    PDL: tl.constexpr = False):
         """z[split, m, n] = Σ_{k in split} x'[m, k]·Q[k, n] for 16·MB rows (8 with SWAP; pid 2), NT·WARPS
         n-tiles (NT with KSPLIT: the warps split the k-tiles), one K-split."""
+        # PDL: no early trigger here — the post-pass's programs would sit on SMs waiting for this grid
+        # (measured: rows 4-16 slower); they launch when this grid exits, then wait for its writes
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
         a0 = pid_k * k_per
         a1 = tl.minimum(a0 + k_per, in_tiles)
         _mma_pass(x_ptr, w_ptr, z_ptr + pid_k * stride_zs, rows, pid_m * (8 if SWAP else 16) * MB, a0, a1, pid_n,
-                  tn_total, stride_x, one, KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, KSPLIT, MB, SWAP)
+                  tn_total, stride_x, one, KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, KSPLIT, MB, SWAP, PDL)
 
     @triton.jit
     def _mma_pass(x_ptr, w_ptr, zrow, rows, m0, a0, a1, pid_n, tn_total, stride_x, one,
                   KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
                   ADD: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr,
                   ASM: tl.constexpr, KSPLIT: tl.constexpr = False, MB: tl.constexpr = 1,
-                  SWAP: tl.constexpr = False):
+                  SWAP: tl.constexpr = False, PDL: tl.constexpr = False):
         """Rows ``m0 .. m0 + 16·MB − 1`` (those < ``rows``; MB 16-row blocks share each decoded tile) of ``z = x'·Q[a0·16 : a1·16, :]`` for the n-tiles of
         ``pid_n``, stored at ``zrow`` (``[rows, out_p]`` fp32); ``w_ptr`` points at Q's first tile.
 
@@ -214,6 +220,8 @@ if HAVE_TRITON:
         for i in tl.static_range(NWL):
             pws = pws + (wbase[i] + ak * kstride,)
         wn = _load_words(pws, NT, TSTRIDE * NW, NWL)
+        if PDL:
+            gdc_wait()                                            # x' comes from the previous kernel
         if ASM:
             if SWAP:
                 xn = _load_bfrag(xa_lo, mrow, (a0 + kw) < a1, ak)
