@@ -1,11 +1,13 @@
 """Mixed-bitrate EXL3 MoE layer on the GPU (issue 6): exl3rt.kernels.moe.exl3_moe.
 
     python benchmarks/bench_moe.py [--hidden 6144] [--inter 2048] [--experts 256] [--topk 8]
-                                   [--tiers 3:192 4:64] [--rows 1 8 32 128] [--out benchmarks/results/moe_cuda.json]
+                                   [--tiers 3:192 4:64] [--rows 1 8 32 128] [--unfused]
+                                   [--out benchmarks/results/moe_cuda.json]
 
 Random EXL3 codes (MCG) for every expert, tiers assigned to a random permutation of the experts,
 random routing (top-k distinct experts per token, softmax weights). Per row count: the mixed layer
-(one tiered launch per projection), the same tiers run one after the other (one launch per tier
+(fused passes: pre, gate+up, mid, down, post launches after route packing; ``--unfused``: the torch
+glue around one tiered launch per projection), the same tiers run one after the other (one launch per tier
 and projection), and an all-K4 layer of the same shape, each the median of
 ``--iters`` CUDA-graph replays (one graph per routing input, rotated) timed with CUDA events. Before timing, the mixed layer is checked at 2 rows against dense float32 weights from
 ``format.reconstruct`` for the routed experts. bf16 anchors are issue 6's (``torch._grouped_mm``,
@@ -81,10 +83,10 @@ def routing(rows, e, k, dev, seed):
     return ids, w
 
 
-def check(w, layout, h, dev):
+def check(w, layout, h, dev, fused=True):
     x = torch.randn(2, h, device=dev, dtype=torch.bfloat16)
     ids, wts = routing(2, layout.num_experts, 2, dev, seed=5)
-    y = exl3_moe(x, ids, wts, w).float()
+    y = exl3_moe(x, ids, wts, w, fused=fused).float()
     ref = torch.zeros(2, h, device=dev)
     c_of = layout.global_to_combined
     for t in range(2):
@@ -146,6 +148,7 @@ def main(argv=None):
     ap.add_argument("--tiers", nargs="+", default=["3:192", "4:64"])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--unfused", action="store_true", help="the torch glue instead of the fused passes")
     ap.add_argument("--out", default="benchmarks/results/moe_cuda.json")
     args = ap.parse_args(argv)
     dev = "cuda"
@@ -160,17 +163,19 @@ def main(argv=None):
     h, i = args.hidden, args.inter
     mixed, layout = build(h, i, bits, dev)
     res = {"commit": commit(), "device": torch.cuda.get_device_name(0), "hidden": h, "inter": i,
-           "experts": args.experts, "topk": args.topk, "tiers": args.tiers, "rows": []}
-    res["check_rel"] = check(mixed, layout, h, dev)
+           "experts": args.experts, "topk": args.topk, "tiers": args.tiers, "fused": not args.unfused, "rows": []}
+    fused = not args.unfused
+    res["check_rel"] = check(mixed, layout, h, dev, fused)
     print(f"check (2 rows vs float32 reconstruct): rel {res['check_rel']:.2e}", flush=True)
     k4, _ = build(h, i, [4] * args.experts, dev, seed=1)
     serial = split_tiers(mixed, layout)
     for r in args.rows:
         inputs = [(torch.randn(r, h, device=dev, dtype=torch.bfloat16),) + routing(r, args.experts, args.topk, dev, s)
                   for s in range(4)]
-        us_mixed, mode = time_calls(lambda x, ids, w: exl3_moe(x, ids, w, mixed), inputs, args.iters)
-        us_k4, _ = time_calls(lambda x, ids, w: exl3_moe(x, ids, w, k4), inputs, args.iters)
-        us_serial, _ = time_calls(lambda x, ids, w: [exl3_moe(x, ids, w, t) for t in serial], inputs, args.iters)
+        us_mixed, mode = time_calls(lambda x, ids, w: exl3_moe(x, ids, w, mixed, fused=fused), inputs, args.iters)
+        us_k4, _ = time_calls(lambda x, ids, w: exl3_moe(x, ids, w, k4, fused=fused), inputs, args.iters)
+        us_serial, _ = time_calls(lambda x, ids, w: [exl3_moe(x, ids, w, t, fused=fused) for t in serial], inputs,
+                                  args.iters)
         anchor = BF16_ANCHORS.get(i, {}).get(r)
         res["rows"].append({"rows": r, "mixed_us": us_mixed, "k4_us": us_k4, "serial_tiers_us": us_serial,
                             "bf16_anchor_us": anchor, "timing": mode})

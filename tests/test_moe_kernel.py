@@ -2,11 +2,14 @@
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest): tiny
 layers (H = I = 128, a few tokens). The reference is independent of the kernels: dense weights from
-``format.reconstruct`` in float64 and a loop over tokens and their routed experts.
+``format.reconstruct`` in float64 and a loop over tokens and their routed experts. ``exl3_moe`` runs the
+fused passes (kernels/moe_glue.py) by default; ``fused=False`` is the torch glue. The fused tests use
+``nt=1, num_warps=8`` (one program per route block: the interpreter pays per program and op).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -19,9 +22,11 @@ require_kernels()
 
 from exl3rt.format.bits import words16_per_tile  # noqa: E402
 from exl3rt.format.reconstruct import reconstruct  # noqa: E402
-from exl3rt.kernels.moe import MoEWeights, exl3_moe, grouped_gemv  # noqa: E402
+from exl3rt.kernels.moe import (MoEWeights, exl3_moe, fused_glue_supported, grouped_gemv,  # noqa: E402
+                                pack_routes_fused)
 from exl3rt.moe import MoELayerRuntime, MoERuntimeCache, MoESettings, Owner  # noqa: E402
 from exl3rt.moe.reference import DenseExpert, reference_launch_factory  # noqa: E402
+from exl3rt.moe.routing import pack_routes  # noqa: E402
 from exl3rt.moe.tiers import tiers_from_bitrates  # noqa: E402
 from exl3rt.moe.triton_launch import triton_launch_factory  # noqa: E402
 
@@ -55,6 +60,8 @@ def _loop(x, ids, w, experts, act=F.silu):
     y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
     for t in range(x.shape[0]):
         for s in range(ids.shape[1]):
+            if not 0 <= int(ids[t, s]) < len(experts):
+                continue                                    # dropped route (e.g. an expert-parallel sentinel)
             ex = experts[int(ids[t, s])]
             xx = x[t].double().cpu()
             up = xx @ _dense(ex["up_proj"])
@@ -122,7 +129,7 @@ def test_triton_launch_through_the_runtime_matches_the_reference_launch():
     y_tri, y_ref = tri(x, ids, wts), ref(x, ids, wts)
     assert _rel(y_tri, y_ref.double().cpu()) < 2e-3
     launch = tri.runtimes()[0].launches["decode"]
-    assert launch.warmup(2, torch.int32) == 3 and (2, torch.int32) in launch.warmed
+    assert launch.warmup(2, torch.int32) == 6 and (2, torch.int32) in launch.warmed
 
 
 def test_grouped_gemv_rejects_bad_stacks():
@@ -138,3 +145,82 @@ def test_grouped_gemv_rejects_bad_stacks():
         grouped_gemv(xs, [tr, tr[:, :4]], blk, npad, desc, 8, 16, "mcg")
     with pytest.raises(ValueError, match="columns"):
         grouped_gemv(xs[:, :64], [tr], blk, npad, desc, 8, 16, "mcg")
+
+
+def _garbage_empty(monkeypatch):
+    """``torch.empty`` returns NaN (floats) / a large int (ints): the fused passes must never read an
+    element that no kernel wrote (partials of slots past ``num_padded``, stale ``pos`` entries)."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype in (torch.int32, torch.int64):
+            t.fill_(1 << 20)
+        return t
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+# T, top-k, bits per expert, block_m, gated, one input rotation for gate/up (broadcast [1, H] tables),
+# x dtype, drop one route (id E: not an expert of this layer)
+FUSED_CASES = [
+    (1, 2, (3, 4), 8, True, False, torch.float16, False),
+    (3, 1, (4, 3, 3), 16, True, True, torch.bfloat16, False),
+    (17, 2, (3, 4, 4, 3), 8, True, False, torch.bfloat16, True),
+    (3, 2, (4, 3), 8, False, False, torch.float16, False),
+]
+
+
+@pytest.mark.parametrize("t,k,bits,block_m,gated,shared,dtype,drop", FUSED_CASES)
+def test_fused_passes_match_float64_loop(monkeypatch, t, k, bits, block_m, gated, shared, dtype, drop):
+    """Pre-pass, gate+up launch, mid-pass, down launch, post-pass vs float64 per-expert matmuls: several T
+    and top-k, mixed tiers, per-expert / shared broadcast input rotations, padding slots, an ungated
+    silu(up), fp16/bf16 x, a dropped route; ``torch.empty`` buffers full of garbage."""
+    experts = _experts(bits, gated=gated, shared_h=shared, seed=20 + t)
+    w = MoEWeights.from_experts(tiers_from_bitrates(list(bits)), experts)
+    assert fused_glue_supported(w)
+    if shared:
+        assert w.gate_suh is w.up_suh                           # equal tables are shared at bind time
+        w = dataclasses.replace(w, up_suh=w.up_suh[:1], gate_suh=w.up_suh[:1])   # broadcast [1, H]
+    x, ids, wts = _inputs(t, len(bits), k, seed=t)
+    x = x.to(dtype)
+    if drop:
+        ids[t // 2, k - 1] = len(bits)
+    _garbage_empty(monkeypatch)
+    y = exl3_moe(x, ids, wts, w, block_m=block_m, nt=1, num_warps=8)
+    assert y.shape == x.shape and y.dtype == dtype
+    ref = _loop(x, ids, wts, experts)
+    assert _rel(y, ref) < (2e-3 if dtype == torch.float16 else 5e-3)
+
+
+def test_fused_equals_torch_glue_and_writes_out():
+    """The fused passes and the torch glue (``fused=False``) agree to fp16 rounding of x'/h'; ``out`` is
+    written in place; gate and up with their own input rotations (two x' rows per slot)."""
+    bits = (3, 4, 3)
+    experts = _experts(bits, seed=3)
+    w = MoEWeights.from_experts(tiers_from_bitrates(list(bits)), experts)
+    assert w.gate_suh is not w.up_suh
+    x, ids, wts = _inputs(5, 3, 2, seed=4)
+    out = torch.empty_like(x)
+    y = exl3_moe(x, ids, wts, w, block_m=8, nt=1, num_warps=8, out=out)
+    y0 = exl3_moe(x, ids, wts, w, block_m=8, nt=1, num_warps=8, fused=False)
+    assert y is out
+    assert _rel(y, y0.double().cpu()) < 1e-4
+
+
+@pytest.mark.parametrize("t,k,e,block_m", [(1, 8, 256, 8), (3, 2, 5, 16), (17, 2, 4, 8), (40, 4, 7, 8), (5, 1, 3, 1)])
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_one_launch_route_packing_equals_pack_routes(t, k, e, block_m, ids_dtype):
+    """The fused path's packer (one Triton program) gives pack_routes' outputs bit for bit: stable order
+    inside an expert, padding sentinels, block experts (-1 past the live blocks), counts; ids outside the
+    map and experts mapped to -1 are dropped."""
+    g = torch.Generator().manual_seed(t * 100 + e)
+    ids = torch.randint(-1, e + 2, (t, k), generator=g).to(ids_dtype).to(DEV)
+    emap = torch.randperm(e, generator=g).to(torch.int32)
+    if e > 3:
+        emap[2] = -1
+    emap = emap.to(DEV)
+    got, want = pack_routes_fused(ids, e, block_m, emap), pack_routes(ids, e, block_m, expert_map=emap)
+    for f in ("sorted_routes", "block_experts", "num_padded", "expert_counts"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f

@@ -1,4 +1,4 @@
-"""Mixed-bitrate EXL3 MoE on the GPU: each projection of every tier in one launch (issue 6, first version).
+"""Mixed-bitrate EXL3 MoE on the GPU: each projection of every tier in one launch (issue 6).
 
 An MoE layer's experts are grouped into tiers by bitrate (:mod:`exl3rt.moe.tiers`); routes are
 packed into blocks of ``block_m`` routes of one expert (:func:`exl3rt.moe.routing.pack_routes`,
@@ -6,7 +6,8 @@ combined expert ids). Per projection, one launch of :func:`_moe_mma_kernel` cove
 every tier: program (n-tiles, block j) reads the block's expert, its descriptor word
 ``(tier << shift) | local``, and runs the tier's decoder (K is a compile-time constant per tier, so
 the kernel holds one decode loop per tier) on ``tier_trellis[local]`` — the warp-level mma GEMV of
-:mod:`exl3rt.kernels.mma` (each lane decodes its own mma fragment), 16 routes per pass.
+:mod:`exl3rt.kernels.mma` (each lane decodes its own mma fragment), 16 routes per pass. Gate and up
+run as one launch (``NPROJ = 2``: the grid's first dimension covers both projections).
 
 :func:`exl3_moe` computes, for routes r = (token t, slot s) of expert e::
 
@@ -16,9 +17,11 @@ the kernel holds one decode loop per tier) on ``tier_trellis[local]`` — the wa
     h'_r = ((act(g_r) · u_r) ⊙ down_suh_e)·H
     y_t += w[t, s] · ((h'_r·Q_down,e)·H ⊙ down_svh_e)
 
-Three tiered launches (gate, up, down); the rotations, activation and the weighted sum are torch
-ops in this version (fusing them into the launches is the next step, docs/moe.md). On the CPU the
-kernels run in Triton's interpreter (tests); the torch reference is
+Fused path (default, activation silu): six Triton launches — route packing in one program
+(:func:`pack_routes_fused`), pre-pass, gate+up, mid-pass, down, post-pass (the passes are in
+:mod:`exl3rt.kernels.moe_glue`). ``fused=False`` (and any other activation): the torch glue around
+three tiered launches (gate, up, down), the reference the fused passes are tested against. On the CPU
+the kernels run in Triton's interpreter (tests); the torch reference of the whole layer is
 :class:`exl3rt.moe.reference.ReferenceLaunch`.
 """
 
@@ -32,7 +35,8 @@ import torch.nn.functional as F
 
 from ..format.bits import bits_from_trellis
 from ..format.hadamard import hadamard_blocks
-from ..moe.routing import pack_routes
+from ..moe.routing import ID_DTYPES, RoutePack, pack_routes, route_capacity
+from ..util.ints import next_pow2
 from . import mma as _mm
 from ._triton import HAVE_TRITON, tl, triton
 from .linear import _cb_args, _kernel_bits, _use_asm, gemv_splits
@@ -45,27 +49,41 @@ if HAVE_TRITON:
     @triton.jit
     def _tier_pass(x_ptr, w_ptr, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
                    KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr,
-                   NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr, ASM: tl.constexpr):
-        """One 16-route pass of one tier: expert ``local`` of the tier's stacked trellis at ``w_ptr``."""
+                   NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr, ASM: tl.constexpr,
+                   SWAP: tl.constexpr):
+        """One 16-route pass (8 with SWAP) of one tier: expert ``local`` of the tier's stacked trellis at
+        ``w_ptr``."""
         estride = k_tiles * n_tiles * (8 * KA + 4 * HALF)          # int32 words per expert
         _mma_pass(x_ptr, w_ptr + local * estride, z_ptr, lim, m0, a0, a1, pid_n, n_tiles, stride_x, one,
-                  KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM)
+                  KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, False, 1, SWAP)
 
     @triton.jit(do_not_specialize=["rows", "one"])
-    def _moe_mma_kernel(x_ptr, z_ptr, blk_ptr, desc_ptr, npad_ptr, w0, w1, w2, w3, rows, k_tiles, n_tiles,
-                        k_per, stride_x, stride_zs, one, SHIFT: tl.constexpr, NTIERS: tl.constexpr,
+    def _moe_mma_kernel(x_ptr, z_ptr, blk_ptr, desc_ptr, npad_ptr, w0, w1, w2, w3, v0, v1, v2, v3, rows, k_tiles,
+                        n_tiles, k_per, stride_x, stride_zs, one, n_blocks, stride_xp, stride_zp,
+                        SHIFT: tl.constexpr, NTIERS: tl.constexpr,
                         K0A: tl.constexpr, K0H: tl.constexpr, N0: tl.constexpr,
                         K1A: tl.constexpr, K1H: tl.constexpr, N1: tl.constexpr,
                         K2A: tl.constexpr, K2H: tl.constexpr, N2: tl.constexpr,
                         K3A: tl.constexpr, K3H: tl.constexpr, N3: tl.constexpr,
                         CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr, NT: tl.constexpr,
-                        WARPS: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr):
+                        WARPS: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr, NPROJ: tl.constexpr):
         """z[slot, :] = x'[slot, :]·Q_e for the BLOCK_M slots of route block ``program_id(1)``
         (expert e = blk[j]), the n-tiles of ``program_id(0)``, K-split ``program_id(2)`` (partials
-        ``z[split]``); blocks past ``npad / BLOCK_M`` exit."""
+        ``z[split]``); blocks past ``npad / BLOCK_M`` exit. NPROJ = 2: two projections of the same
+        geometry in one grid (gate and up): programs ``program_id(0) >= n_blocks`` run the second
+        (tiers ``v0..v3``, input ``x + stride_xp``, partials ``z + stride_zp``)."""
         pid_n = tl.program_id(0)
         j = tl.program_id(1)
         pid_k = tl.program_id(2)
+        if NPROJ > 1:
+            if pid_n >= n_blocks:
+                pid_n -= n_blocks
+                x_ptr += stride_xp
+                z_ptr += stride_zp
+                w0 = v0
+                w1 = v1
+                w2 = v2
+                w3 = v3
         a0 = pid_k * k_per
         a1 = tl.minimum(a0 + k_per, k_tiles)
         z_ptr = z_ptr + pid_k * stride_zs
@@ -75,23 +93,90 @@ if HAVE_TRITON:
             tier = d >> SHIFT
             local = d & ((1 << SHIFT) - 1)
             lim = tl.minimum(rows, (j + 1) * BLOCK_M)
-            for mb in tl.static_range(0, BLOCK_M, 16):
+            # blocks of at most 8 routes (the decode plan): the decoded tile is the mma's A operand
+            # (mma.SWAP: one mma per tile, half the accumulators); else 16-route passes
+            for mb in tl.static_range(0, BLOCK_M, 8 if BLOCK_M <= 8 else 16):
                 m0 = j * BLOCK_M + mb
                 if tier == 0:
                     _tier_pass(x_ptr, w0, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
-                               K0A, K0H, CB, MULT, ADD, NT, WARPS, N0, ASM)
+                               K0A, K0H, CB, MULT, ADD, NT, WARPS, N0, ASM, BLOCK_M <= 8)
                 if NTIERS > 1:
                     if tier == 1:
                         _tier_pass(x_ptr, w1, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
-                                   K1A, K1H, CB, MULT, ADD, NT, WARPS, N1, ASM)
+                                   K1A, K1H, CB, MULT, ADD, NT, WARPS, N1, ASM, BLOCK_M <= 8)
                 if NTIERS > 2:
                     if tier == 2:
                         _tier_pass(x_ptr, w2, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
-                                   K2A, K2H, CB, MULT, ADD, NT, WARPS, N2, ASM)
+                                   K2A, K2H, CB, MULT, ADD, NT, WARPS, N2, ASM, BLOCK_M <= 8)
                 if NTIERS > 3:
                     if tier == 3:
                         _tier_pass(x_ptr, w3, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
-                                   K3A, K3H, CB, MULT, ADD, NT, WARPS, N3, ASM)
+                                   K3A, K3H, CB, MULT, ADD, NT, WARPS, N3, ASM, BLOCK_M <= 8)
+
+
+def _check_stacks(name: str, tier_trellis: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """(k-tiles, n-tiles) of a list of tier stacks, checked: 1..MAX_TIERS contiguous stacks of one geometry."""
+    if not 1 <= len(tier_trellis) <= MAX_TIERS:
+        raise ValueError(f"{name}: {len(tier_trellis)} tiers; 1 to {MAX_TIERS} are supported")
+    k_tiles, n_tiles = int(tier_trellis[0].shape[1]), int(tier_trellis[0].shape[2])
+    for t, tr in enumerate(tier_trellis):
+        if tr.dim() != 4 or tuple(tr.shape[1:3]) != (k_tiles, n_tiles) or not tr.is_contiguous():
+            raise ValueError(f"{name}: tier {t} trellis {tuple(tr.shape)} is not a contiguous "
+                             f"[experts, {k_tiles}, {n_tiles}, 16K] stack")
+    return k_tiles, n_tiles
+
+
+def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], block_experts: torch.Tensor,
+                    num_padded: torch.Tensor, descriptors: torch.Tensor, shift: int, block_m: int, codebook: str,
+                    *, second: Optional[Sequence[torch.Tensor]] = None, nt: int = 4, num_warps: int = 1,
+                    target_programs: Optional[int] = None, zero: bool = True) -> torch.Tensor:
+    """One tiered launch; returns the split-K partials ``z [P, splits, slots, out_p]`` (fp32) of
+    ``xs[slot]·Q_{e(slot)}``. ``P = 1``, or 2 with ``second`` (a second projection of the same geometry
+    and tier order, e.g. up next to gate, in the same launch): ``xs`` is then ``[slots, in_p]`` (both read
+    it) or ``[2, slots, in_p]`` (one input per projection). ``zero=False``: ``torch.empty`` partials —
+    the rows of slots past ``num_padded`` are then left unwritten (garbage), every other element is
+    written. K is split so that about ``target_programs`` programs run (default 2112 on a GPU, no split
+    in the CPU interpreter, where programs are what costs)."""
+    name = "grouped_gemv"
+    nproj = 1 if second is None else 2
+    in_p = xs.shape[-1]
+    slots = xs.shape[-2]
+    k_tiles, n_tiles = _check_stacks(name, tier_trellis)
+    if second is not None:
+        _check_stacks(name, second)
+        if [tuple(a.shape) for a in second] != [tuple(a.shape) for a in tier_trellis]:
+            raise ValueError(f"{name}: the second projection's tiers do not match the first's")
+    if in_p != k_tiles * 16:
+        raise ValueError(f"{name}: xs has {in_p} columns, the trellis {k_tiles * 16} rows")
+    if xs.stride(-1) != 1 or xs.stride(-2) != in_p:
+        raise ValueError(f"{name}: xs must be row-contiguous")
+    stride_xp = xs.stride(0) if xs.dim() == 3 and xs.shape[0] > 1 else 0
+    ntw = nt * num_warps
+    while n_tiles % ntw:
+        ntw //= 2
+    warps = min(num_warps, ntw)
+    if target_programs is None:
+        target_programs = 2112 if xs.device.type == "cuda" else 0
+    n_blocks, max_blocks = n_tiles // ntw, int(block_experts.shape[0])
+    splits, k_per = gemv_splits(k_tiles, nproj * n_blocks * max_blocks, target_programs)
+    alloc = torch.zeros if zero else torch.empty
+    z = alloc((nproj, splits, slots, n_tiles * 16), dtype=torch.float32, device=xs.device)
+    cb, mult, add = _cb_args(codebook)
+    tier_bits = [bits_from_trellis(tr[0]) for tr in tier_trellis]
+    ks = [_kernel_bits(b) for b in tier_bits] + [(1, 0)] * (MAX_TIERS - len(tier_bits))
+    nwl = [_mm.words_per_lane(b) for b in tier_bits] + [2] * (MAX_TIERS - len(tier_bits))
+    ws = [tr.view(torch.int32) for tr in tier_trellis]
+    ws += [ws[0]] * (MAX_TIERS - len(ws))
+    vs = ws if second is None else [tr.view(torch.int32) for tr in second] + [ws[0]] * (MAX_TIERS - len(second))
+    grid = (nproj * n_blocks, max_blocks, splits)
+    _moe_mma_kernel[grid](xs, z, block_experts, descriptors, num_padded, *ws, *vs, slots, k_tiles, n_tiles, k_per,
+                          in_p, z.stride(1), 1, n_blocks, stride_xp, z.stride(0), SHIFT=shift,
+                          NTIERS=len(tier_trellis),
+                          K0A=ks[0][0], K0H=ks[0][1], N0=nwl[0], K1A=ks[1][0], K1H=ks[1][1], N1=nwl[1],
+                          K2A=ks[2][0], K2H=ks[2][1], N2=nwl[2], K3A=ks[3][0], K3H=ks[3][1], N3=nwl[3],
+                          CB=cb, MULT=mult, ADD=add, NT=ntw // warps, WARPS=warps, BLOCK_M=block_m,
+                          ASM=_use_asm(xs.device), NPROJ=nproj, num_warps=warps)
+    return z
 
 
 def grouped_gemv(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], block_experts: torch.Tensor,
@@ -102,39 +187,9 @@ def grouped_gemv(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], block_e
     (int16, contiguous, local order); ``block_experts`` / ``num_padded`` from :class:`RoutePack`.
     K is split so that about ``target_programs`` programs run (partials summed in fp32 at the end;
     default 2112 on a GPU, no split in the CPU interpreter, where programs are what costs)."""
-    if not 1 <= len(tier_trellis) <= MAX_TIERS:
-        raise ValueError(f"grouped_gemv: {len(tier_trellis)} tiers; 1 to {MAX_TIERS} are supported")
-    slots, in_p = xs.shape
-    k_tiles, n_tiles = int(tier_trellis[0].shape[1]), int(tier_trellis[0].shape[2])
-    for t, tr in enumerate(tier_trellis):
-        if tr.dim() != 4 or tuple(tr.shape[1:3]) != (k_tiles, n_tiles) or not tr.is_contiguous():
-            raise ValueError(f"grouped_gemv: tier {t} trellis {tuple(tr.shape)} is not a contiguous "
-                             f"[experts, {k_tiles}, {n_tiles}, 16K] stack")
-    if in_p != k_tiles * 16:
-        raise ValueError(f"grouped_gemv: xs has {in_p} columns, the trellis {k_tiles * 16} rows")
-    ntw = nt * num_warps
-    while n_tiles % ntw:
-        ntw //= 2
-    warps = min(num_warps, ntw)
-    if target_programs is None:
-        target_programs = 2112 if xs.device.type == "cuda" else 0
-    n_blocks, max_blocks = n_tiles // ntw, int(block_experts.shape[0])
-    splits, k_per = gemv_splits(k_tiles, n_blocks * max_blocks, target_programs)
-    z = torch.zeros((splits, slots, n_tiles * 16), dtype=torch.float32, device=xs.device)
-    cb, mult, add = _cb_args(codebook)
-    tier_bits = [bits_from_trellis(tr[0]) for tr in tier_trellis]
-    ks = [_kernel_bits(b) for b in tier_bits] + [(1, 0)] * (MAX_TIERS - len(tier_bits))
-    nwl = [_mm.words_per_lane(b) for b in tier_bits] + [2] * (MAX_TIERS - len(tier_bits))
-    ws = [tr.view(torch.int32) for tr in tier_trellis]
-    ws += [ws[0]] * (MAX_TIERS - len(ws))
-    grid = (n_blocks, max_blocks, splits)
-    _moe_mma_kernel[grid](xs, z, block_experts, descriptors, num_padded, *ws, slots, k_tiles, n_tiles, k_per,
-                          xs.stride(0), z.stride(0), 1, SHIFT=shift, NTIERS=len(tier_trellis),
-                          K0A=ks[0][0], K0H=ks[0][1], N0=nwl[0], K1A=ks[1][0], K1H=ks[1][1], N1=nwl[1],
-                          K2A=ks[2][0], K2H=ks[2][1], N2=nwl[2], K3A=ks[3][0], K3H=ks[3][1], N3=nwl[3],
-                          CB=cb, MULT=mult, ADD=add, NT=ntw // warps, WARPS=warps, BLOCK_M=block_m,
-                          ASM=_use_asm(xs.device), num_warps=warps)
-    return z[0] if splits == 1 else z.sum(0)
+    z = tiered_partials(xs, tier_trellis, block_experts, num_padded, descriptors, shift, block_m, codebook,
+                        nt=nt, num_warps=num_warps, target_programs=target_programs)[0]
+    return z[0] if z.shape[0] == 1 else z.sum(0)
 
 
 @dataclasses.dataclass
@@ -189,10 +244,14 @@ class MoEWeights:
             return torch.stack([getattr(experts[g][proj], field) for g in order]).float()
 
         dev = experts[0]["up_proj"].trellis.device
+        up_suh = table("up_proj", "suh")
+        gate_suh = table("gate_proj", "suh") if gated else None
+        if gate_suh is not None and torch.equal(gate_suh, up_suh):
+            gate_suh = up_suh       # one input rotation serves gate and up (checked once, at bind time)
         return cls(up=stacks("up_proj"), down=stacks("down_proj"), gate=stacks("gate_proj") if gated else None,
-                   up_suh=table("up_proj", "suh"), up_svh=table("up_proj", "svh"),
+                   up_suh=up_suh, up_svh=table("up_proj", "svh"),
                    down_suh=table("down_proj", "suh"), down_svh=table("down_proj", "svh"),
-                   gate_suh=table("gate_proj", "suh") if gated else None,
+                   gate_suh=gate_suh,
                    gate_svh=table("gate_proj", "svh") if gated else None,
                    descriptors=layout.descriptor_tensor(dev).to(torch.int32), shift=layout.descriptor_shift,
                    expert_map=layout.global_to_combined_tensor(dev), codebook=codebook, act=act)
@@ -203,9 +262,141 @@ def _rows(table: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     return table.expand(e.shape[0], -1) if table.shape[0] == 1 else table[e]
 
 
+def fused_glue_supported(w: MoEWeights) -> bool:
+    """The fused passes (:mod:`exl3rt.kernels.moe_glue`) compute ``w`` exactly: activation ``F.silu``."""
+    return w.act is F.silu
+
+
+def _row_stride(table: torch.Tensor) -> int:
+    """Row stride of a scale table for the passes: 0 for a broadcast ``[1, n]`` table."""
+    return 0 if table.shape[0] == 1 else int(table.stride(0))
+
+
+#: routes up to which the fused path packs them with one Triton program (:func:`pack_routes_fused`); more
+#: (prefill) go through the torch packer, whose ~40 small launches are then amortized over many tokens
+PACK_MAX_ROUTES = 1024
+PACK_MAX_EXPERTS = 1024
+
+
+def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor) -> RoutePack:
+    """:func:`~exl3rt.moe.routing.pack_routes` (same outputs, bit for bit) as one Triton launch when
+    ``T·k <= PACK_MAX_ROUTES`` and ``E <= PACK_MAX_EXPERTS``, else the torch packer. Fresh buffers
+    (``torch.empty``: the kernel writes every element)."""
+    from .moe_glue import _moe_pack_kernel
+    numel, E = int(topk_ids.numel()), int(num_experts)
+    if (topk_ids.dtype not in ID_DTYPES or topk_ids.dim() != 2 or not 0 < numel <= PACK_MAX_ROUTES
+            or E > PACK_MAX_EXPERTS):
+        return pack_routes(topk_ids, E, block_m, expert_map=expert_map)
+    dev = topk_ids.device
+    cap = route_capacity(numel, E, block_m)
+    pack = RoutePack(sorted_routes=torch.empty(cap, dtype=torch.int32, device=dev),
+                     block_experts=torch.empty(cap // block_m, dtype=torch.int32, device=dev),
+                     num_padded=torch.empty(1, dtype=torch.int32, device=dev),
+                     expert_counts=torch.empty(E, dtype=torch.int32, device=dev),
+                     max_numel=numel, num_experts=E, block_m=int(block_m))
+    # two sort widths only (64 or 1024 routes): a row-bucket prewarm meets both wherever they occur
+    np_ = 64 if numel <= 64 else PACK_MAX_ROUTES
+    scratch = torch.empty(np_, dtype=torch.int32, device=dev)
+    emap = expert_map if expert_map.is_contiguous() else expert_map.contiguous()
+    _moe_pack_kernel[(1,)](topk_ids.reshape(-1), emap, pack.sorted_routes, pack.block_experts, pack.num_padded,
+                           pack.expert_counts, scratch, numel, int(emap.shape[0]), E, cap, pack.max_blocks,
+                           NP=np_, EP=next_pow2(E), FB=256, BLOCK_M=int(block_m), num_warps=4)
+    return pack
+
+
+def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MoEWeights, block_m: int,
+           nt: int, num_warps: int, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """Six Triton launches: pack (one program; the torch packer past PACK_MAX_ROUTES), pre, gate+up, mid,
+    down, post (kernels/moe_glue.py)."""
+    from .moe_glue import _moe_mid_kernel, _moe_post_kernel, _moe_pre_kernel
+    T, H = x.shape
+    k = int(topk_ids.shape[1])
+    numel = T * k
+    dev = x.device
+    pack = pack_routes_fused(topk_ids, w.num_experts, block_m, w.expert_map)
+    slots = pack.capacity
+    I = int(w.up[0].shape[2]) * 16
+    if H % 128 or I % 128:
+        raise ValueError(f"exl3_moe: hidden {H} and intermediate {I} must be multiples of 128")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    gated = w.gate is not None
+    two = gated and w.gate_suh is not w.up_suh
+    up_suh = w.up_suh.contiguous()
+    gate_suh = w.gate_suh.contiguous() if two else up_suh
+    xs = torch.empty((2 if two else 1, slots, H), dtype=torch.float16, device=dev)
+    pos = torch.empty(max(numel, 1), dtype=torch.int32, device=dev)
+    # row blocks and split loads are fixed (never a function of T): one specialization per layer geometry,
+    # so a prewarm at any row count covers every T
+    br = 16
+    _moe_pre_kernel[(triton.cdiv(slots, br), H // 128)](
+        x, pack.sorted_routes, pack.block_experts, pack.num_padded, up_suh, gate_suh, xs, pos,
+        slots, numel, k, H, x.stride(0), _row_stride(up_suh), _row_stride(gate_suh), slots * H, int(two),
+        BR=br, BLOCK_M=block_m, num_warps=4)
+
+    common = (pack.block_experts, pack.num_padded, w.descriptors, w.shift, block_m, w.codebook)
+    if gated:   # gate and up in one launch: partials zgu[0] gate, zgu[1] up
+        zgu = tiered_partials(xs if two else xs[0], w.gate, *common, second=w.up, nt=nt, num_warps=num_warps,
+                              zero=False)
+    else:
+        zgu = tiered_partials(xs[0], w.up, *common, nt=nt, num_warps=num_warps, zero=False)
+    splits = int(zgu.shape[1])
+    up_svh = w.up_svh.contiguous()
+    gate_svh = w.gate_svh.contiguous() if gated else up_svh
+    down_suh = w.down_suh.contiguous()
+    hs = torch.empty((slots, I), dtype=torch.float16, device=dev)
+    brm, sb = 4, 4
+    _moe_mid_kernel[(triton.cdiv(slots, brm), I // 128)](
+        zgu, pack.sorted_routes, pack.block_experts, pack.num_padded, gate_svh, up_svh, down_suh, hs, slots, numel,
+        I, splits, zgu.stride(1), zgu.stride(0), _row_stride(gate_svh), _row_stride(up_svh), _row_stride(down_suh),
+        GATED=gated, BR=brm, SB=sb, BLOCK_M=block_m, num_warps=4)
+
+    zd = tiered_partials(hs, w.down, *common, nt=nt, num_warps=num_warps, zero=False)[0]
+    splits = int(zd.shape[0])
+    down_svh = w.down_svh.contiguous()
+    wts = topk_weights.reshape(-1)
+    if wts.stride(0) != 1:
+        wts = wts.contiguous()
+    direct = out is not None and out.is_contiguous() and out.dtype == x.dtype and tuple(out.shape) == (T, H)
+    y = out if direct else torch.empty((T, H), dtype=x.dtype, device=dev)
+    kp = next_pow2(k)
+    wp = 1 if kp <= 2 else 4
+    sbp = 4
+    _moe_post_kernel[(T, H // 128)](
+        zd, pack.sorted_routes, pos, pack.block_experts, wts, down_svh, y, numel, k, H, splits, zd.stride(0),
+        _row_stride(down_svh), slots, KP=kp, SB=sbp, BLOCK_M=block_m, num_warps=wp)
+    if out is not None and y is not out:
+        out.copy_(y)
+        return out
+    return y
+
+
 def exl3_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MoEWeights, *,
-             block_m: int = 16, nt: int = 4, num_warps: int = 1) -> torch.Tensor:
-    """``y[t] = Σ_s topk_weights[t, s] · expert_{topk_ids[t, s]}(x[t])`` (see the module docstring)."""
+             block_m: int = 16, nt: int = 4, num_warps: int = 1, fused: bool = True,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y[t] = Σ_s topk_weights[t, s] · expert_{topk_ids[t, s]}(x[t])`` (see the module docstring).
+
+    ``fused=True`` (default): six Triton launches — route packing in one program (the torch packer past
+    ``PACK_MAX_ROUTES`` routes), pre-pass, gate+up, mid-pass, down, post-pass (:mod:`exl3rt.kernels.moe_glue`)
+    — where :func:`fused_glue_supported` (activation ``F.silu``), else — and with ``fused=False`` — the
+    torch glue around three tiered launches (the reference the fused passes are tested against). Both are
+    CUDA-graph capturable. ``out`` (``[T, H]``, x's dtype): written and returned.
+    """
+    if x.shape[0] == 0:
+        y = x.new_zeros(x.shape)
+        return out.copy_(y) if out is not None else y
+    if fused and fused_glue_supported(w):
+        return _fused(x, topk_ids, topk_weights, w, block_m, nt, num_warps, out)
+    y = _unfused(x, topk_ids, topk_weights, w, block_m, nt, num_warps)
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y
+
+
+def _unfused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MoEWeights,
+             block_m: int, nt: int, num_warps: int) -> torch.Tensor:
+    """The torch glue: gather, rotations, activation and weighted sum as torch ops, three tiered launches."""
     T, H = x.shape
     k = topk_ids.shape[1]
     numel = T * k
@@ -242,4 +433,5 @@ def exl3_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     return y[:T].to(x.dtype)
 
 
-__all__ = ["MoEWeights", "exl3_moe", "grouped_gemv", "MAX_TIERS"]
+__all__ = ["MoEWeights", "exl3_moe", "fused_glue_supported", "grouped_gemv", "pack_routes_fused", "tiered_partials",
+           "MAX_TIERS", "PACK_MAX_ROUTES"]

@@ -3,7 +3,8 @@
 ``bind(layer)`` turns the layer's experts into :class:`~exl3rt.kernels.moe.MoEWeights` once (tier
 stacks of the trellis, rotation tables in combined order, descriptors): ``layer.weights`` is either a
 ``MoEWeights`` or one ``{"gate_proj", "up_proj", "down_proj"} -> EXL3 linear`` dict per global expert.
-``run`` packs the routes with the plan's ``block_m`` and runs one tiered launch per projection.
+``run`` packs the routes with the plan's ``block_m`` and runs :func:`~exl3rt.kernels.moe.exl3_moe` (fused
+passes: pack, pre, gate+up, mid, down, post) into the runtime's output rows.
 ``warmup(rows, ids_dtype)`` compiles the launch's kernel specializations on a one-expert-per-tier
 dummy layer of the same geometry (K per tier, H, I, descriptor width, block_m) — the specializations
 never depend on the expert count or the row count — and returns how many kernel launches it made.
@@ -65,7 +66,7 @@ class TritonMoELaunch:
                           codebook=next((c for c in k.codebooks if c), "mcg"))
 
     def warmup(self, rows: int, ids_dtype: torch.dtype) -> int:
-        from ..kernels.moe import exl3_moe
+        from ..kernels.moe import PACK_MAX_ROUTES, exl3_moe, fused_glue_supported
         w = self._dummy()
         n = len(w.up)
         dev = torch.device(self.key.device)
@@ -73,12 +74,17 @@ class TritonMoELaunch:
         x = torch.zeros(rows, self.key.hidden, dtype=self.key.x_dtype, device=dev)
         exl3_moe(x, ids, torch.ones(rows, self.plan.top_k, device=dev), w, block_m=self.plan.block_m)
         self.warmed.add((rows, ids_dtype))
-        return 3  # gate, up, down
+        # fused: [pack,] pre, gate+up, mid, down, post (one pre-pass kernel serves shared and separate
+        # gate/up input rotations; nothing specializes on T but the packer's two sort widths) | torch glue:
+        # gate, up, down
+        if not fused_glue_supported(w):
+            return 3
+        return 6 if rows * self.plan.top_k <= PACK_MAX_ROUTES else 5
 
     def run(self, binding: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             out: torch.Tensor) -> None:
         from ..kernels.moe import exl3_moe
-        out.copy_(exl3_moe(x, topk_ids, topk_weights, binding, block_m=self.plan.block_m))
+        exl3_moe(x, topk_ids, topk_weights, binding, block_m=self.plan.block_m, out=out)
 
 
 def triton_launch_factory(key: RuntimeKey, plan: Plan, arena: ScratchArena) -> TritonMoELaunch:
