@@ -103,6 +103,34 @@ def check(w, layout, h, dev, fused=True):
     return float((y - ref).norm() / ref.norm())
 
 
+class Bf16MoE:
+    """The bf16 baseline: ``torch._grouped_mm`` over the routed tokens (routes sorted by expert, per-expert
+    offsets), gate/up, silu, down, weighted sum — dense bf16 weights [E, H, I] / [E, I, H]."""
+
+    def __init__(self, e, h, i, dev, seed=3):
+        g = torch.Generator(device=dev).manual_seed(seed)
+        self.gate = torch.randn(e, h, i, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+        self.up = torch.randn(e, h, i, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+        self.down = torch.randn(e, i, h, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+        self.e = e
+
+    def __call__(self, x, ids, wts):
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat)
+        tok = order // k
+        offs = torch.cumsum(torch.bincount(flat, minlength=self.e), 0).to(torch.int32)
+        xs = x[tok]
+        gu = F.silu(torch._grouped_mm(xs, self.gate, offs=offs)) * torch._grouped_mm(xs, self.up, offs=offs)
+        yd = torch._grouped_mm(gu, self.down, offs=offs) * wts.reshape(-1)[order, None].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, tok, yd)
+
+
+def plan_block_m(rows: int) -> int:
+    """The route block the runtime's plans use: the decode plan's 8 up to 32 rows, 16 above (prefill)."""
+    return 8 if rows <= 32 else 16
+
+
 def time_calls(fn, inputs, iters):
     """Median µs per call: each input's call captured in a CUDA graph and replayed in rotation
     (falls back to eager calls, reported as such, if capture fails)."""
@@ -149,6 +177,7 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--unfused", action="store_true", help="the torch glue instead of the fused passes")
+    ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 grouped_mm baseline (needs 6·E·H·I bytes)")
     ap.add_argument("--out", default="benchmarks/results/moe_cuda.json")
     args = ap.parse_args(argv)
     dev = "cuda"
@@ -169,26 +198,34 @@ def main(argv=None):
     print(f"check (2 rows vs float32 reconstruct): rel {res['check_rel']:.2e}", flush=True)
     k4, _ = build(h, i, [4] * args.experts, dev, seed=1)
     serial = split_tiers(mixed, layout)
+    bf = None if args.no_bf16 else Bf16MoE(args.experts, h, i, dev)
     for r in args.rows:
         inputs = [(torch.randn(r, h, device=dev, dtype=torch.bfloat16),) + routing(r, args.experts, args.topk, dev, s)
                   for s in range(4)]
-        us_mixed, mode = time_calls(lambda x, ids, w: exl3_moe(x, ids, w, mixed, fused=fused), inputs, args.iters)
-        us_k4, _ = time_calls(lambda x, ids, w: exl3_moe(x, ids, w, k4, fused=fused), inputs, args.iters)
-        us_serial, _ = time_calls(lambda x, ids, w: [exl3_moe(x, ids, w, t, fused=fused) for t in serial], inputs,
-                                  args.iters)
+        bm = plan_block_m(r)
+        us_mixed, mode = time_calls(lambda x, ids, w: exl3_moe(x, ids, w, mixed, fused=fused, block_m=bm), inputs,
+                                    args.iters)
+        us_k4, _ = time_calls(lambda x, ids, w: exl3_moe(x, ids, w, k4, fused=fused, block_m=bm), inputs, args.iters)
+        us_serial, _ = time_calls(lambda x, ids, w: [exl3_moe(x, ids, w, t, fused=fused, block_m=bm) for t in serial],
+                                  inputs, args.iters)
+        us_bf16 = time_calls(lambda x, ids, w: bf(x, ids, w), inputs, args.iters)[0] if bf is not None else None
         anchor = BF16_ANCHORS.get(i, {}).get(r)
-        res["rows"].append({"rows": r, "mixed_us": us_mixed, "k4_us": us_k4, "serial_tiers_us": us_serial,
-                            "bf16_anchor_us": anchor, "timing": mode})
-        print(f"rows={r}: mixed {us_mixed:.1f} us, all-K4 {us_k4:.1f} us, bf16 (issue anchor) {anchor}", flush=True)
+        res["rows"].append({"rows": r, "block_m": bm, "mixed_us": us_mixed, "k4_us": us_k4,
+                            "serial_tiers_us": us_serial, "bf16_us": us_bf16, "bf16_anchor_us": anchor,
+                            "timing": mode})
+        print(f"rows={r} (block_m {bm}): mixed {us_mixed:.1f} us, serial tiers {us_serial:.1f}, all-K4 {us_k4:.1f}, "
+              f"bf16 grouped_mm {us_bf16 if us_bf16 is None else round(us_bf16, 1)} (issue anchor {anchor})",
+              flush=True)
     write_json(args.out, res)
     print(f"\n| rows | mixed {'/'.join(args.tiers)} µs | tiers one after the other µs | serial/mixed | all-K4 µs | "
-          f"mixed/K4 | bf16 grouped_mm µs (issue 6 anchor) |")
-    print("|---|---|---|---|---|---|---|")
+          f"mixed/K4 | bf16 grouped_mm µs (same run) | mixed/bf16 | bf16 (issue 6 anchor) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in res["rows"]:
-        a = row["bf16_anchor_us"]
-        print(f"| {row['rows']} | {row['mixed_us']:.0f} | {row['serial_tiers_us']:.0f} | "
-              f"{row['serial_tiers_us'] / row['mixed_us']:.2f} | {row['k4_us']:.0f} | "
-              f"{row['mixed_us'] / row['k4_us']:.2f} | {a if a else ''} |")
+        a, b, m = row["bf16_anchor_us"], row["bf16_us"], row["mixed_us"]
+        bcol = "| | |" if b is None else f"| {b:.0f} | {m / b:.2f} |"
+        print(f"| {row['rows']} | {m:.0f} | {row['serial_tiers_us']:.0f} | "
+              f"{row['serial_tiers_us'] / m:.2f} | {row['k4_us']:.0f} | "
+              f"{m / row['k4_us']:.2f} {bcol} {a if a else ''} |")
     return 0 if res["check_rel"] < 1e-2 else 1
 
 
