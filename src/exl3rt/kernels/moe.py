@@ -305,7 +305,7 @@ def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, ex
 
 
 def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MoEWeights, block_m: int,
-           nt: int, num_warps: int, out: Optional[torch.Tensor]) -> torch.Tensor:
+           nt: int, num_warps: int, out: Optional[torch.Tensor], target_programs: Optional[int] = None) -> torch.Tensor:
     """Six Triton launches: pack (one program; the torch packer past PACK_MAX_ROUTES), pre, gate+up, mid,
     down, post (kernels/moe_glue.py)."""
     from .moe_glue import _moe_mid_kernel, _moe_post_kernel, _moe_pre_kernel
@@ -337,9 +337,10 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     common = (pack.block_experts, pack.num_padded, w.descriptors, w.shift, block_m, w.codebook)
     if gated:   # gate and up in one launch: partials zgu[0] gate, zgu[1] up
         zgu = tiered_partials(xs if two else xs[0], w.gate, *common, second=w.up, nt=nt, num_warps=num_warps,
-                              zero=False)
+                              target_programs=target_programs, zero=False)
     else:
-        zgu = tiered_partials(xs[0], w.up, *common, nt=nt, num_warps=num_warps, zero=False)
+        zgu = tiered_partials(xs[0], w.up, *common, nt=nt, num_warps=num_warps, target_programs=target_programs,
+                              zero=False)
     splits = int(zgu.shape[1])
     up_svh = w.up_svh.contiguous()
     gate_svh = w.gate_svh.contiguous() if gated else up_svh
@@ -351,7 +352,8 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
         I, splits, zgu.stride(1), zgu.stride(0), _row_stride(gate_svh), _row_stride(up_svh), _row_stride(down_suh),
         GATED=gated, BR=brm, SB=sb, BLOCK_M=block_m, num_warps=4)
 
-    zd = tiered_partials(hs, w.down, *common, nt=nt, num_warps=num_warps, zero=False)[0]
+    zd = tiered_partials(hs, w.down, *common, nt=nt, num_warps=num_warps, target_programs=target_programs,
+                         zero=False)[0]
     splits = int(zd.shape[0])
     down_svh = w.down_svh.contiguous()
     wts = topk_weights.reshape(-1)
@@ -373,7 +375,7 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
 
 def exl3_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MoEWeights, *,
              block_m: int = 16, nt: int = 4, num_warps: int = 1, fused: bool = True,
-             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+             out: Optional[torch.Tensor] = None, target_programs: Optional[int] = None) -> torch.Tensor:
     """``y[t] = Σ_s topk_weights[t, s] · expert_{topk_ids[t, s]}(x[t])`` (see the module docstring).
 
     ``fused=True`` (default): six Triton launches — route packing in one program (the torch packer past
@@ -386,7 +388,7 @@ def exl3_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
         y = x.new_zeros(x.shape)
         return out.copy_(y) if out is not None else y
     if fused and fused_glue_supported(w):
-        return _fused(x, topk_ids, topk_weights, w, block_m, nt, num_warps, out)
+        return _fused(x, topk_ids, topk_weights, w, block_m, nt, num_warps, out, target_programs)
     y = _unfused(x, topk_ids, topk_weights, w, block_m, nt, num_warps)
     if out is not None:
         out.copy_(y)
