@@ -9,9 +9,10 @@ from typing import Any
 
 
 def commit() -> str:
-    """Short hash of HEAD, or 'unknown' outside a git checkout (e.g. on the device machine)."""
+    """Short hash of HEAD with ``-dirty`` when the working tree differs from it (a copy of a working
+    tree, e.g. on the device machine, may carry a stale checkout's HEAD), or 'unknown' outside git."""
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+        return subprocess.check_output(["git", "describe", "--always", "--dirty", "--abbrev=7"], text=True,
                                        stderr=subprocess.DEVNULL).strip()
     except Exception:
         return "unknown"
