@@ -415,3 +415,88 @@ def test_rank_sliced_checkpoint_gives_the_same_codes_as_slicing_stored_experts(t
         other = expert_slice("model.layers.0.mlp.experts", h, i, 2, 1 - rank, require_blocks=True)
         with pytest.raises(ShardError, match=r"rank-sliced checkpoint gives rank .* of 2.*vLLM gives rank"):
             rank_layer_experts(layer, other, GATED)
+
+
+# ---- a quantized lm_head (vLLM's ParallelLMHead: vocab-parallel, padded per partition) ---------------------------
+def _vllm_vocab_rows(vocab: int, tp_size: int, rank: int, pad_to: int = 64) -> tuple[int, int, int]:
+    """vLLM's split of a head (vocab_parallel_embedding._get_indices, no added vocab): the rank's real rows
+    ``[start, end)`` and its partition width (the padded vocab over ``tp_size``)."""
+    padded = -(-vocab // pad_to) * pad_to
+    per = padded // tp_size
+    return min(rank * per, vocab), min((rank + 1) * per, vocab), per
+
+
+@pytest.mark.parametrize("vocab,tp_size", [(300, 1), (500, 2), (1000, 4), (512, 2)])
+def test_head_rank_pieces_equal_the_hand_sliced_reconstruction(vocab, tp_size):
+    from exl3rt.format.encoded import EncodedLinear, padded_width
+    from exl3rt.integrations.vllm.shards import HEAD_FIX, head_shard
+
+    hidden = 256
+    trellis, suh, svh = _random_codes(hidden, padded_width(vocab), k=6, seed=vocab)
+    full = reconstruct(trellis, suh, svh, "mcg", dtype=torch.float64)[:, :vocab]  # [hidden, vocab]
+    got = []
+    for rank in range(tp_size):
+        start, end, per = _vllm_vocab_rows(vocab, tp_size, rank)
+        spec = head_shard("lm_head", vocab, hidden, start, end, tp_size, rank)
+        check_block_aligned(spec, "lm_head", fix=HEAD_FIX)
+        assert spec.out_features == end - start <= per and (spec.is_whole == (tp_size == 1))
+        enc = EncodedLinear(trellis=rank_piece("trellis", trellis, spec), suh=rank_piece("suh", suh, spec),
+                            svh=rank_piece("svh", svh, spec), codebook="mcg", in_features=spec.in_features,
+                            out_features=spec.out_features, name=spec.name)
+        piece = enc.reconstruct(dtype=torch.float64)
+        torch.testing.assert_close(piece, full[:, start:end], rtol=0, atol=1e-12)  # float64 summation order
+        got.append(piece)
+    torch.testing.assert_close(torch.cat(got, dim=1), full, rtol=0, atol=1e-12)
+
+
+def test_head_misaligned_split_and_empty_rank():
+    from exl3rt.integrations.vllm.shards import HEAD_FIX, head_shard
+
+    start, end, _ = _vllm_vocab_rows(300, 2, 1)  # padded 320, 160 rows per rank
+    spec = head_shard("lm_head", 300, 256, start, end, 2, 1)
+    with pytest.raises(ShardError, match=r"lm_head.*rank 1 output rows \[160, 300\) of 300.*--head-bits 16"):
+        check_block_aligned(spec, "lm_head", fix=HEAD_FIX)
+    assert head_shard("lm_head", 300, 256, 300, 300, 4, 3) is None  # a rank past the vocab holds no row
+    with pytest.raises(ShardError, match=r"lm_head: rank 1 of 2 would hold vocab rows \[256, 400\) of a 300-row"):
+        head_shard("lm_head", 300, 256, 256, 400, 2, 1)
+    # a linear ending at its logical end is fine; one ending mid-block is not
+    from exl3rt.integrations.vllm.shards import ShardSpec
+
+    check_block_aligned(ShardSpec("x", None, 0, 172, 256, 300, 256, 2, 1, (128, 300, 0, 256)), "x")
+    with pytest.raises(ShardError, match=r"x \(x\).*output rows \[128, 200\) of 300"):
+        check_block_aligned(ShardSpec("x", None, 0, 72, 256, 300, 256, 2, 1, (128, 200, 0, 256)), "x")
+
+
+def test_head_apply_pads_the_partition_with_zero_logits():
+    from torch import nn
+
+    from exl3rt.format.encoded import EncodedLinear
+    from exl3rt.integrations.vllm.forward import exl3_head_apply
+    from exl3rt.runtime.linear import Exl3Linear
+
+    vocab, hidden, width = 100, 128, 128  # vLLM pads 100 to 128 (pad 64): 28 padded rows
+    trellis, suh, svh = _random_codes(hidden, 128, k=6, seed=1)
+    enc = EncodedLinear(trellis=trellis, suh=suh, svh=svh, codebook="mcg", in_features=hidden, out_features=vocab,
+                        name="lm_head")
+    layer = nn.Module()
+    layer.exl3 = nn.ModuleList([Exl3Linear.from_encoded(enc, name="lm_head")])
+    x = torch.randn(3, hidden, dtype=torch.float32)
+    y = exl3_head_apply(layer, x, width)
+    want = x.double() @ enc.reconstruct(dtype=torch.float64)
+    assert y.shape == (3, width) and y.dtype == torch.float32
+    torch.testing.assert_close(y[:, :vocab].double(), want, rtol=1e-4, atol=1e-3)
+    assert torch.equal(y[:, vocab:], torch.zeros(3, width - vocab))
+    bias = torch.arange(width, dtype=torch.float32)
+    torch.testing.assert_close(exl3_head_apply(layer, x, width, bias), y + bias)
+    empty = nn.Module()
+    empty.exl3 = nn.ModuleList()
+    assert torch.equal(exl3_head_apply(empty, x, 64), torch.zeros(3, 64))  # a rank past the vocab: all padding
+
+
+def test_head_is_exl3_from_files_or_quantization_config():
+    from exl3rt.integrations.vllm.settings import head_is_exl3
+
+    assert head_is_exl3("lm_head", {"lm_head", "model.layers.0.mlp.down_proj"}, {})
+    assert not head_is_exl3("lm_head", {"model.layers.0.mlp.down_proj"}, {"head_bits": 6})  # the files win
+    assert head_is_exl3("lm_head", None, {"head_bits": 6})
+    assert not head_is_exl3("lm_head", None, {"head_bits": 16}) and not head_is_exl3("lm_head", None, {})

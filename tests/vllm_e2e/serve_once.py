@@ -22,14 +22,21 @@ PROMPTS = [[1, 5, 9, 12, 7], [1, 20, 3, 3, 17, 30, 8]]
 
 def _inspect(model):
     from exl3rt.integrations.vllm.config import Exl3VllmConfig
-    from exl3rt.integrations.vllm.checkpoint_method import Exl3CheckpointLinearMethod
+    from exl3rt.integrations.vllm.checkpoint_method import Exl3CheckpointHeadMethod, Exl3CheckpointLinearMethod
     from exl3rt.integrations.vllm.online_method import Exl3OnlineLinearMethod
     from exl3rt.integrations.vllm.moe_method import Exl3MoEMethodBase
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    linears, experts, ours, cfg = {}, {}, 0, None
+    linears, experts, heads, ours, cfg = {}, {}, {}, 0, None
     for name, mod in model.named_modules():
+        if isinstance(mod, ParallelLMHead):
+            heads[name] = type(mod.quant_method).__name__
+            if isinstance(mod.quant_method, Exl3CheckpointHeadMethod):
+                cfg = mod.quant_method.quant_config
+                heads[name] += ":" + ",".join(f"{m.name}@K{m.bits}" for m in mod.exl3)
+            continue
         if isinstance(mod, RoutedExperts):
             qm = mod.quant_method
             experts[name] = type(qm).__name__
@@ -46,7 +53,7 @@ def _inspect(model):
                 cfg = mod.quant_method.quant_config
                 linears[name] += ":" + ",".join(f"{m.name}@K{m.bits}" for m in mod.exl3)
     summary = cfg.summary() if isinstance(cfg, Exl3VllmConfig) else {}
-    return {"linears": linears, "experts": experts, "ours": ours, "summary": summary}
+    return {"linears": linears, "experts": experts, "heads": heads, "ours": ours, "summary": summary}
 
 
 def main() -> None:

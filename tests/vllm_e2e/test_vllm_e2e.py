@@ -125,6 +125,45 @@ def test_prequantized_checkpoint_matches_transformers(bf16_llama, tmp_path):
     assert got["tokens"] == want
 
 
+# ---- a quantized lm_head (exl3rt quantize's default --head-bits 6) ------------------------------------------------
+HEAD_BITS = 6
+
+
+@pytest.mark.parametrize("vocab", [64, 100])
+def test_prequantized_checkpoint_with_quantized_head(vocab, tmp_path, monkeypatch):
+    """The tiny Llama (tied embeddings) converted at the default head bits: the converter stores a separate EXL3
+    ``lm_head`` at K 6 and unties. vLLM serves it through the plugin's head method (vocab 100: EXL3 pads the head
+    to 128 rows, vLLM's partition to 128 rows of which 28 are padding) and the greedy tokens equal exl3rt's
+    transformers path on the same stored codes (head included), token for token. Both run in float32: in BF16 the
+    two forwards round differently and the vocab-100 model's greedy paths part at step 11 (10 tokens equal)."""
+    import exl3rt
+    from exl3rt.convert.run import convert_checkpoint
+    from exl3rt.integrations.vllm.settings import stored_linears
+
+    bf16 = tiny_llama(tmp_path / "llama", vocab=vocab, init_std=0.5, dtype=torch.bfloat16)
+    ckpt = tmp_path / "exl3"
+    convert_checkpoint(bf16, ckpt, bits=BITS, progress=False)  # head_bits: the default (6)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bf16 / f, ckpt / f)
+    assert "lm_head" in stored_linears(ckpt)
+    assert json.loads((ckpt / "config.json").read_text()).get("tie_word_embeddings") is False
+
+    got = _serve(ckpt, tmp_path / "unused-cache", tmp_path / "r.json", "--dtype", "float32")
+    assert not (tmp_path / "unused-cache").exists()  # nothing encoded, no cache touched
+    assert got["heads"] == {"lm_head": f"Exl3CheckpointHeadMethod:lm_head@K{HEAD_BITS}"}, got["heads"]
+    assert len(got["linears"]) == 8
+    assert all(v.startswith("Exl3CheckpointLinearMethod:") for v in got["linears"].values()), got["linears"]
+    assert got["summary"]["layers"]["lm_head"] == "checkpoint" and len(got["summary"]["layers"]) == 9
+
+    # truth: exl3rt's transformers path (head quantized, tied head untied) with every matrix's codes from the checkpoint
+    _use_stored_codes(ckpt, monkeypatch)
+    cfg = exl3rt.Exl3Config(bits=BITS, quantize_lm_head=True, head_bits=HEAD_BITS, cache_mode="off", progress=False)
+    want, summary = _hf_tokens(bf16, cfg, dtype=torch.float32)
+    assert summary["layers"] == 15, summary
+    assert len({t for seq in want for t in seq}) >= 4, f"degenerate continuation {want}"
+    assert got["tokens"] == want
+
+
 # ---- MoE: online EXL3 through vLLM's fused-MoE method API -------------------------------------------------
 MOE_LAYERS, MOE_EXPERTS = 2, 4
 
@@ -187,10 +226,8 @@ def exl3_qwen_moe(bf16_qwen_moe, tmp_path_factory) -> Path:
     return ckpt
 
 
-def _hf_tokens_from_stored_codes(bf16: Path, ckpt: Path, monkeypatch) -> tuple[list[list[int]], dict]:
-    """exl3rt's transformers path (``from_pretrained`` + ``Exl3Config``: Exl3Linear per matrix, the experts as
-    an ``Exl3MoE`` layer runtime) with every matrix's codes taken from the stored checkpoint instead of encoded."""
-    import exl3rt
+def _use_stored_codes(ckpt: Path, monkeypatch) -> None:
+    """Make exl3rt's encoder return each matrix's codes from the stored checkpoint instead of encoding."""
     import exl3rt.encode.quantize as quantize
     from exl3rt.format.checkpoint import Exl3Checkpoint
 
@@ -203,6 +240,14 @@ def _hf_tokens_from_stored_codes(bf16: Path, ckpt: Path, monkeypatch) -> tuple[l
         return enc
 
     monkeypatch.setattr(quantize, "quantize_weight", from_checkpoint)
+
+
+def _hf_tokens_from_stored_codes(bf16: Path, ckpt: Path, monkeypatch) -> tuple[list[list[int]], dict]:
+    """exl3rt's transformers path (``from_pretrained`` + ``Exl3Config``: Exl3Linear per matrix, the experts as
+    an ``Exl3MoE`` layer runtime) with every matrix's codes taken from the stored checkpoint instead of encoded."""
+    import exl3rt
+
+    _use_stored_codes(ckpt, monkeypatch)
     cfg = exl3rt.Exl3Config(bits=BITS, bits_for=dict(EXPERT_OVERRIDES), cache_mode="off", progress=False)
     return _hf_tokens(bf16, cfg, dtype=torch.float32)
 

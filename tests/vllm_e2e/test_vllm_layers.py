@@ -203,3 +203,56 @@ def test_checkpoint_moe_misaligned_split_and_rank_sliced_tp_mismatch_are_clear_e
     assert mapper.map_name("model.layers.0.mlp.experts.shared_h.up_proj.rank0.suh") is None
     kept = "model.layers.0.mlp.experts.2.down_proj.trellis"
     assert mapper.map_name(kept) == kept
+
+
+# ---- a quantized lm_head: vLLM's ParallelLMHead (vocab-parallel, padded per partition) --------------------------
+def _patch_tp_head(monkeypatch, rank: int, size: int) -> None:
+    import vllm.model_executor.layers.vocab_parallel_embedding as vpe
+
+    _patch_tp(monkeypatch, rank, size)
+    monkeypatch.setattr(vpe, "get_tensor_model_parallel_rank", lambda: rank)
+    monkeypatch.setattr(vpe, "get_tensor_model_parallel_world_size", lambda: size)
+
+
+def _head_config(stored: set):
+    cfg = _config()
+    cfg.stored = set(stored)
+    return cfg
+
+
+@pytest.mark.parametrize("vocab,tp_size,rank", [(100, 1, 0), (500, 2, 0), (500, 2, 1)])
+def test_head_rank_gets_its_vocab_rows_and_zero_padding(monkeypatch, vocab, tp_size, rank):
+    """vocab 100 at TP 1: EXL3 rows padded to 128, vLLM's partition 128 wide (28 padding rows); vocab 500 at
+    TP 2: 256 rows per rank, rank 1 holds [256, 500) plus 12 padding rows."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    from exl3rt.integrations.vllm.checkpoint_method import Exl3CheckpointHeadMethod
+
+    _patch_tp_head(monkeypatch, rank, tp_size)
+    layer = ParallelLMHead(vocab, 256, quant_config=_head_config({"lm_head"}), prefix="lm_head",
+                           params_dtype=torch.float32)
+    assert isinstance(layer.quant_method, Exl3CheckpointHeadMethod)
+    stored = _codes(256, -(-vocab // 128) * 128, 6, 5)
+    for part, t in stored.items():
+        getattr(layer, part).weight_loader(getattr(layer, part), t)
+    layer.quant_method.process_weights_after_loading(layer)
+    idx = layer.shard_indices
+    start, end, width = idx.org_vocab_start_index, idx.org_vocab_end_index, layer.num_embeddings_per_partition
+    assert layer.exl3[0].bits == 6 and layer.exl3[0].out_features == end - start and width >= end - start
+    x = _x(256)
+    w = reconstruct(stored["trellis"], stored["suh"], stored["svh"], "mcg")[:, :vocab]  # [hidden, vocab]
+    got = layer.quant_method.apply(layer, x, bias=None)
+    assert got.shape == (3, width)
+    torch.testing.assert_close(got[:, :end - start], x @ w[:, start:end], rtol=1e-5, atol=1e-4)
+    assert torch.equal(got[:, end - start:], torch.zeros(3, width - (end - start)))  # as vLLM's zero-filled rows
+
+
+def test_head_unaligned_split_error_and_bf16_head(monkeypatch):
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
+    from exl3rt.integrations.vllm.shards import ShardError
+
+    _patch_tp_head(monkeypatch, 1, 2)  # vocab 300: padded 320, 160 rows per rank
+    with pytest.raises(ShardError, match=r"lm_head.*rank 1 output rows \[160, 300\) of 300.*--head-bits 16"):
+        ParallelLMHead(300, 256, quant_config=_head_config({"lm_head"}), prefix="lm_head", params_dtype=torch.float32)
+    layer = ParallelLMHead(300, 256, quant_config=_head_config({"model.layers.0.mlp.down_proj"}), prefix="lm_head",
+                           params_dtype=torch.float32)
+    assert isinstance(layer.quant_method, UnquantizedEmbeddingMethod)  # a BF16 head in an EXL3 checkpoint

@@ -26,6 +26,7 @@ from vllm.model_executor.layers.quantization.base_config import (  # noqa: F401
     QuantizationConfig,
     QuantizeMethodBase,
 )
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead  # noqa: F401
 from vllm.model_executor.models.utils import WeightsMapper  # noqa: F401
 from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing  # noqa: F401
 from vllm.model_executor.parameter import ModelWeightParameter  # noqa: F401

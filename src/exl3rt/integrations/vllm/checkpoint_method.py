@@ -6,6 +6,10 @@ The layer gets empty placeholder parameters named like the stored tensors (``tre
 of each tensor (:func:`~exl3rt.integrations.vllm.slicing.rank_piece`, 128-block aligned) per shard;
 K comes from each trellis, so every tensor can have its own bitrate. ``process_weights_after_loading``
 builds one :class:`Exl3Linear` per shard and drops the placeholders.
+
+:class:`Exl3CheckpointHeadMethod` is the same for vLLM's ``ParallelLMHead`` (a quantized ``lm_head``): one
+EXL3 matrix of this rank's real vocab rows (column-parallel over the vocab, 128-row aligned), its output
+zero-padded to vLLM's rows per partition.
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ from ...format.encoded import EncodedLinear
 from ...format.errors import FormatError
 from ...runtime.linear import Exl3Linear
 from ._compat import LinearMethodBase, set_weight_attrs
-from .forward import exl3_apply
+from .forward import exl3_apply, exl3_head_apply
 from .layout import plan_shards
-from .shards import check_block_aligned
+from .shards import HEAD_FIX, check_block_aligned, head_shard
 from .slicing import rank_piece
 
 if TYPE_CHECKING:
@@ -48,6 +52,9 @@ class Exl3CheckpointLinearMethod(LinearMethodBase):
         shards = plan_shards(layer, self.prefix, self.names, input_size_per_partition, output_partition_sizes)
         for spec in shards:
             check_block_aligned(spec, self.prefix)
+        self._placeholders(layer, shards)
+
+    def _placeholders(self, layer: nn.Module, shards: list) -> None:
         layer.exl3_shards = shards
         layer.exl3_parts = [dict() for _ in shards]
         for part, dtype in _PLACEHOLDER_DTYPES.items():
@@ -59,6 +66,8 @@ class Exl3CheckpointLinearMethod(LinearMethodBase):
         def load(param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: Optional[object] = None) -> None:
             sid = loaded_shard_id if loaded_shard_id is not None else getattr(loaded_weight, "shard_id", None)
             shards = layer.exl3_shards
+            if not shards:
+                return  # a head rank past the vocab: no rows of this tensor are kept
             idx = next((i for i, s in enumerate(shards) if s.shard_id == sid), None)
             if idx is None:
                 if sid is None and len(shards) == 1:
@@ -104,4 +113,38 @@ class Exl3CheckpointLinearMethod(LinearMethodBase):
         return exl3_apply(layer, x, bias)
 
 
-__all__ = ["Exl3CheckpointLinearMethod"]
+class Exl3CheckpointHeadMethod(Exl3CheckpointLinearMethod):
+    """A stored EXL3 ``lm_head`` as vLLM's ``ParallelLMHead``: this rank's vocab rows, padded rows give logit 0.
+
+    vLLM pads the vocab (to 64 by default) and splits the padded vocab evenly over TP ranks; rank r's real
+    rows are ``shard_indices.org_vocab_start_index .. org_vocab_end_index``. They are cut from the stored
+    codes on 128-row blocks (the last rank may end at the vocab's end, whatever its width); a split that
+    is not is refused when the layer is built, naming the range and the fix.
+    """
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+        idx = layer.shard_indices
+        if int(getattr(layer, "num_added_embeddings", 0)):
+            raise FormatError(f"{self.prefix}: an EXL3 lm_head with added (LoRA) vocabulary rows is not supported; "
+                              f"serve it without LoRA extra vocab, or re-quantize with --head-bits 16")
+        spec = head_shard(self.names[0], int(layer.org_vocab_size), int(input_size_per_partition),
+                          int(idx.org_vocab_start_index), int(idx.org_vocab_end_index),
+                          int(getattr(layer, "tp_size", 1)), int(getattr(layer, "tp_rank", 0)))
+        if spec is not None:
+            check_block_aligned(spec, self.prefix, fix=HEAD_FIX)
+        layer.exl3_width = int(sum(output_partition_sizes))
+        self._placeholders(layer, [spec] if spec is not None else [])
+
+    def tie_weights(self, layer: nn.Module, embed_tokens: nn.Module) -> nn.Module:
+        """The config says tied but the checkpoint stores its own EXL3 head: serve the stored head (vLLM does the
+        same for a stored ``lm_head.weight``); the embedding stays as loaded."""
+        log.warning("%s: config.json says tie_word_embeddings=true, but the checkpoint stores %s as EXL3; serving "
+                    "the stored head (set tie_word_embeddings to false to silence this)", self.prefix, self.prefix)
+        return layer
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return exl3_head_apply(layer, x, layer.exl3_width, bias)
+
+
+__all__ = ["Exl3CheckpointLinearMethod", "Exl3CheckpointHeadMethod"]

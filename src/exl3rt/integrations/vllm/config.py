@@ -16,9 +16,9 @@ import torch
 from ...convert.plan import HEAD
 from ...runtime.config import Exl3Config
 from ...runtime.policy import is_embedding_name, is_router_name
-from ._compat import (LinearBase, QuantizationConfig, QuantizeMethodBase, RoutedExperts, UnquantizedLinearMethod,
-                      WeightsMapper)
-from .settings import guess_mode, hf_config_dict, online_config, requested_mode, stored_linears
+from ._compat import (LinearBase, ParallelLMHead, QuantizationConfig, QuantizeMethodBase, RoutedExperts,
+                      UnquantizedLinearMethod, WeightsMapper)
+from .settings import guess_mode, head_is_exl3, hf_config_dict, online_config, requested_mode, stored_linears
 from .shards import ShardError, shard_names
 
 log = logging.getLogger("exl3rt.vllm")
@@ -121,8 +121,14 @@ class Exl3VllmConfig(QuantizationConfig):
             if self.mode == "checkpoint":
                 return self._checkpoint_moe_method(layer, prefix)
             return self._online_moe_method(layer, prefix)
+        if isinstance(layer, ParallelLMHead):
+            if self.mode == "checkpoint" and head_is_exl3(prefix, self.stored, self.raw):
+                from .checkpoint_method import Exl3CheckpointHeadMethod
+
+                return Exl3CheckpointHeadMethod(self, prefix, [prefix])
+            return None  # a BF16 (or tied) head, or online mode: vLLM's unquantized embedding method
         if not isinstance(layer, LinearBase):
-            return None  # embeddings, the head: vLLM's unquantized methods
+            return None  # embeddings: vLLM's unquantized method
         names = shard_names(prefix, self.packed_modules_mapping) or [prefix]
         if self.mode == "checkpoint":
             return self._checkpoint_method(prefix, names)

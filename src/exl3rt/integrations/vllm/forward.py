@@ -26,4 +26,27 @@ def exl3_apply(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] =
     return y
 
 
-__all__ = ["exl3_apply"]
+def exl3_head_apply(layer: nn.Module, x: torch.Tensor, width: int,
+                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A vocab-parallel head: ``[..., hidden] -> [..., width]`` (``width`` = vLLM's rows per partition).
+
+    The rank's real vocab rows come from its EXL3 matrix (none on a rank past the vocab); the partition's
+    padded rows get logit 0, as vLLM's unquantized head (zero-filled weight rows) gives them; vLLM drops
+    or masks them. ``bias`` (``[width]``, vLLM's padded layout) is added to all.
+    """
+    mods = getattr(layer, "exl3", None)
+    if mods is not None and len(mods) == 0:
+        y = x.new_zeros(*x.shape[:-1], int(width))
+    else:
+        y = exl3_apply(layer, x)
+        if y.shape[-1] > width:
+            raise RuntimeError(f"{getattr(layer, 'prefix', 'lm_head')}: the EXL3 head gives {y.shape[-1]} logits per "
+                               f"token but vLLM's partition holds {width} rows")
+        if y.shape[-1] < width:
+            y = torch.nn.functional.pad(y, (0, int(width) - y.shape[-1]))
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y
+
+
+__all__ = ["exl3_apply", "exl3_head_apply"]

@@ -80,6 +80,19 @@ def stored_linears(model_dir: str | os.PathLike[str]) -> Optional[set[str]]:
     return {n[: -len(".trellis")] for n in names if n.endswith(".trellis")}
 
 
+def head_is_exl3(prefix: str, stored: Optional[set[str]], raw: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint stores head ``prefix`` (vLLM's ``ParallelLMHead``) as EXL3 codes.
+
+    From the files when they were looked at (``<prefix>.trellis`` stored; the loader then checks suh/svh and the
+    codebook marker); otherwise (not a local directory) from the checkpoint's ``quantization_config``:
+    ``head_bits`` present and not 16 (exl3rt and exllamav3 write it; 16 means a BF16 head).
+    """
+    if stored is not None:
+        return prefix in stored
+    hb = raw.get("head_bits")
+    return hb is not None and float(hb) != 16
+
+
 def hf_config_dict(model_dir: str | os.PathLike[str]) -> Optional[dict[str, Any]]:
     """``config.json`` of a local model directory as a dict (None: not a local directory, or no config)."""
     path = Path(model_dir) / "config.json"
@@ -92,4 +105,5 @@ def hf_config_dict(model_dir: str | os.PathLike[str]) -> Optional[dict[str, Any]
     return out if isinstance(out, dict) else None
 
 
-__all__ = ["MODES", "requested_mode", "guess_mode", "hf_config_dict", "online_config", "stored_linears"]
+__all__ = ["MODES", "requested_mode", "guess_mode", "head_is_exl3", "hf_config_dict", "online_config",
+           "stored_linears"]

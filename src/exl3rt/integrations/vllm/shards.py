@@ -95,11 +95,13 @@ def row_shard(name: str, out_features: int, full_in: int, local_in: int, tp_size
     return ShardSpec(name, None, 0, out_features, local_in, out_features, full_in, tp_size, tp_rank, b)
 
 
-def check_block_aligned(spec: ShardSpec, layer: str) -> None:
+def check_block_aligned(spec: ShardSpec, layer: str, *, fix: Optional[str] = None) -> None:
     """A split EXL3 matrix must be cut on 128-blocks (the Hadamard block), else it is not a valid EXL3 matrix.
 
-    Checked for pre-quantized checkpoints (slicing stored codes). Online encoding encodes each rank's
-    slice on its own, so it does not need this.
+    A piece may end at the matrix's logical end (``hi == full``, e.g. the last rank's vocab rows of a head
+    whose vocab is not a multiple of 128): it then runs to the padded end of the stored codes. Checked for
+    pre-quantized checkpoints (slicing stored codes). Online encoding encodes each rank's slice on its own,
+    so it does not need this. ``fix`` replaces the default advice in the error.
     """
     if spec.is_whole:
         return
@@ -107,12 +109,39 @@ def check_block_aligned(spec: ShardSpec, layer: str) -> None:
     for what, lo, hi, full in (("output rows", r0, r1, spec.full_out), ("input columns", c0, c1, spec.full_in)):
         if (lo, hi) == (0, full):
             continue
-        if lo % PAD or hi % PAD:
+        if lo % PAD or (hi % PAD and hi != full):
+            advice = fix or (f"Use a tensor-parallel size that divides {full} into multiples of {PAD}, or serve the "
+                             f"BF16 checkpoint with online EXL3 (each rank encodes its own slice)")
             raise ShardError(
                 f"{layer} ({spec.name}): tensor parallelism {spec.tp_size} gives rank {spec.tp_rank} {what} "
                 f"[{lo}, {hi}) of {full}; a pre-quantized EXL3 matrix can only be split on multiples of {PAD} "
-                f"(its Hadamard block). Use a tensor-parallel size that divides {full} into multiples of "
-                f"{PAD}, or serve the BF16 checkpoint with online EXL3 (each rank encodes its own slice)")
+                f"(its Hadamard block). {advice}")
 
 
-__all__ = ["ShardSpec", "ShardError", "WHOLE", "shard_names", "column_shards", "row_shard", "check_block_aligned"]
+def head_shard(name: str, vocab: int, hidden: int, start: int, end: int, tp_size: int,
+               tp_rank: int) -> Optional[ShardSpec]:
+    """The EXL3 matrix of a vocab-parallel head (``ParallelLMHead``) on one rank, or None if the rank holds no row.
+
+    ``[start, end)`` are the rank's real vocab rows (vLLM's ``shard_indices.org_vocab_start_index`` /
+    ``org_vocab_end_index``, padding removed); the head is column-parallel over the vocab: rows of the HF
+    ``[vocab, hidden]`` weight, all input columns. The rank's padded rows (vLLM pads the vocab per
+    partition) are not part of the matrix: :func:`~exl3rt.integrations.vllm.forward.exl3_head_apply`
+    returns zero logits for them, as vLLM's unquantized head (zero-filled rows) does.
+    """
+    start, end, vocab, hidden = int(start), int(end), int(vocab), int(hidden)
+    if not 0 <= start <= end <= vocab:
+        raise ShardError(f"{name}: rank {tp_rank} of {tp_size} would hold vocab rows [{start}, {end}) of a "
+                         f"{vocab}-row head")
+    if end == start:
+        return None
+    b = _bounds((start, end), (0, hidden), vocab, hidden)
+    return ShardSpec(name, None, 0, end - start, hidden, vocab, hidden, tp_size, tp_rank, b)
+
+
+#: the advice of a misaligned head split (check_block_aligned's ``fix``)
+HEAD_FIX = (f"Use a tensor-parallel size that gives every rank a multiple of {PAD} vocab rows, or re-quantize "
+            "with `exl3rt quantize ... --head-bits 16` (the head stays BF16; vLLM then splits it freely)")
+
+
+__all__ = ["ShardSpec", "ShardError", "WHOLE", "HEAD_FIX", "shard_names", "column_shards", "row_shard", "head_shard",
+           "check_block_aligned"]
