@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--bits", type=float, default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--compile", action="store_true", help="enforce_eager=False (vLLM compiles the model)")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -71,7 +72,7 @@ def main() -> None:
     if args.bits is not None:
         bits = int(args.bits) if float(args.bits).is_integer() else args.bits
         kw["hf_overrides"] = {"quantization_config": {"quant_method": "exl3", "bits": bits}}
-    llm = LLM(model=args.model, quantization="exl3", dtype=args.dtype, enforce_eager=True, max_model_len=128,
+    llm = LLM(model=args.model, quantization="exl3", dtype=args.dtype, enforce_eager=not args.compile, max_model_len=128,
               skip_tokenizer_init=False, seed=0, **kw)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp)

@@ -82,6 +82,22 @@ def test_online_exl3_matches_transformers_and_hits_cache(bf16_llama, tmp_path):
     assert first["tokens"] == hf_tokens
 
 
+def test_online_exl3_under_vllm_torch_compile(bf16_llama, tmp_path):
+    """Without enforce_eager vLLM compiles the model (torch.compile) around our method: in float32 the
+    tokens equal exl3rt's transformers path. (In bf16 compiled and eager vLLM differ from each other after a
+    few tokens on this tiny random model — fused bf16 ops round differently — so the check is in float32,
+    where eager and compiled vLLM also agree.)"""
+    import exl3rt
+
+    cache = tmp_path / "cache"
+    got = _serve(bf16_llama, cache, tmp_path / "c.json", "--bits", str(BITS), "--dtype", "float32", "--compile")
+    assert got["linears"] and all(v.startswith("Exl3OnlineLinearMethod:") for v in got["linears"].values())
+    cfg = exl3rt.Exl3Config(bits=BITS, cache_dir=str(cache), progress=False)
+    hf_tokens, summary = _hf_tokens(bf16_llama, cfg, dtype=torch.float32)
+    assert summary["misses"] == 0 and summary["hits"] == 14
+    assert got["tokens"] == hf_tokens
+
+
 def _swap_in_checkpoint(model, ckpt_dir: Path) -> int:
     """Replace every nn.Linear stored in the EXL3 checkpoint by exl3rt's Exl3Linear of the stored codes."""
     from exl3rt.format.checkpoint import Exl3Checkpoint
