@@ -42,9 +42,8 @@ ANCHORS = {  # exllamav3 1.6.5 (MCG) on the H200, issue 5: (in, out, K, rows) ->
 }
 
 
-def time_graphs(fns, iters: int, warmup: int = 3) -> float:
-    """Median µs of one call, rotating over ``fns`` (one per weight copy), each captured in a CUDA graph."""
-    graphs = []
+def _warm(fns, warmup: int) -> None:
+    """Run each call ``warmup`` times on a side stream (compiles, allocator pools) before capture."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -53,6 +52,12 @@ def time_graphs(fns, iters: int, warmup: int = 3) -> float:
                 f()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
+
+
+def time_graphs(fns, iters: int, warmup: int = 3) -> float:
+    """Median µs of one call, rotating over ``fns`` (one per weight copy), each captured in a CUDA graph."""
+    graphs = []
+    _warm(fns, warmup)
     for f in fns:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
@@ -74,14 +79,7 @@ def time_batched(fns, iters: int, calls: int = 32, warmup: int = 2) -> float:
     """Median µs per call of one CUDA graph holding ``calls`` calls (cycling over ``fns``): the
     per-replay launch cost (~9 µs event to event on the H200 for a one-kernel graph) is spread over
     the calls, as in a model's decode step, where one graph holds hundreds of kernels."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            for _ in range(warmup):
-                f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
+    _warm(fns, warmup)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for i in range(calls):
@@ -128,7 +126,7 @@ def check(codes, codebook, bits, dev):
     for rows in (1, 4, 16, 64):
         x = torch.randn(rows, tr.shape[0] * 16, device=dev)
         y = kl.exl3_linear(x, tr, suh, svh, codebook)
-        path = kl.choose_path(rows, bits=bits)
+        path = kl.choose_path(rows)
         res[f"rel_rows{rows}_{path}"] = e = rel(y, x.double() @ w)
         ok = ok and bool(torch.isfinite(y).all()) and e < TOL[path]
     del w
@@ -212,7 +210,7 @@ def main(argv=None):
                 us = time_graphs(fns, args.iters)
                 row = {"in": in_p, "out": out_p, "K": bits, "rows": r, "us": us, "bf16_us": bf16[r],
                        "batched_us": time_batched(fns, args.iters), "bf16_batched_us": bf16_b[r],
-                       "path": kl.choose_path(r, bits=bits), "exllamav3_us": ANCHORS.get((in_p, out_p, bits, r))}
+                       "path": kl.choose_path(r), "exllamav3_us": ANCHORS.get((in_p, out_p, bits, r))}
                 others = {1: ("gemv", "mma"), 4: ("gemv", "decode_mm"), 16: ("decode_mm",), 64: ("mma",)}.get(r, ())
                 for other in others:  # the other paths, for the dispatch thresholds
                     row[f"{other}_us"] = time_graphs(

@@ -167,11 +167,9 @@ def test_dispatch_and_prewarm_buckets():
         ["mma", "mma", "mma", "mma", "mma", "decode_mm", "decode_mm"]
     assert [kl.choose_path(r, gemv_max_rows=4) for r in (1, 4, 5)] == ["gemv", "gemv", "mma"]
     assert [kl.default_mma_config(r).swap for r in (1, 8, 9)] == [True, True, False]
-    for bits in (2, 4, 6):
-        assert len({kl.specialization(r, bits) for r in kl.PREWARM_ROWS}) == len(kl.PREWARM_ROWS)
-        # every row count maps to a bucket that PREWARM_ROWS covers
-        assert {kl.specialization(r, bits) for r in range(1, 300)} <= \
-            {kl.specialization(r, bits) for r in kl.PREWARM_ROWS}
+    assert len({kl.specialization(r) for r in kl.PREWARM_ROWS}) == len(kl.PREWARM_ROWS)
+    # every row count maps to a bucket that PREWARM_ROWS covers
+    assert {kl.specialization(r) for r in range(1, 300)} <= {kl.specialization(r) for r in kl.PREWARM_ROWS}
 
 
 @pytest.mark.parametrize("rows", [1, 3, 20])

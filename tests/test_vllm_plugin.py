@@ -331,23 +331,31 @@ def _stored_expert(h: int, i: int, k: int, seed: int) -> dict:
     return out
 
 
+def _collect(prefix: str, stored: list, sl):
+    """A StoredExperts fed every tensor of ``stored`` (one ``{proj: {field: tensor}}`` per expert) as vLLM's
+    expert loader hands them over."""
+    from exl3rt.integrations.vllm.experts import GATED, StoredExperts
+
+    col = StoredExperts(prefix, len(stored), GATED, sl)
+    for e, ex in enumerate(stored):
+        for p, fields in ex.items():
+            for f, t in fields.items():
+                col.add(e, p, f, t)
+    return col
+
+
 @pytest.mark.parametrize("tp_size", [1, 2, 3])
 def test_stored_experts_rank_slices_equal_the_hand_sliced_reconstruction(tp_size):
     """Experts at K 2/3/4 (different trellis widths), loaded tensor by tensor as vLLM's expert loader hands
     them over: each rank's matrices are the 128-block slice of the full reconstruction (gate/up: output
     columns [i0, i1), down: input rows [i0, i1)), and their K is the stored one."""
-    from exl3rt.integrations.vllm.experts import GATED, StoredExperts, expert_slice
+    from exl3rt.integrations.vllm.experts import expert_slice
 
     h, i, ks = 128, 768, (3, 2, 4)
     stored = [_stored_expert(h, i, k, e) for e, k in enumerate(ks)]
     for rank in range(tp_size):
         sl = expert_slice("model.layers.0.mlp.experts", h, i, tp_size, rank, require_blocks=True)
-        col = StoredExperts("model.layers.0.mlp.experts", len(ks), GATED, sl)
-        for e, ex in enumerate(stored):
-            for p, fields in ex.items():
-                for f, t in fields.items():
-                    col.add(e, p, f, t)
-        enc = col.encoded()
+        enc = _collect("model.layers.0.mlp.experts", stored, sl).encoded()
         for e, ex in enumerate(stored):
             for p, fields in ex.items():
                 got = enc[e][p]
@@ -390,7 +398,7 @@ def test_rank_sliced_checkpoint_gives_the_same_codes_as_slicing_stored_experts(t
     """A rank-sliced checkpoint (exl3rt.moe.rank_checkpoint, TP 2) read rank-locally gives, per rank, exactly the
     codes the per-expert loader cuts from the whole experts; a rank layer for another slice is refused."""
     from exl3rt.format.encoded import EncodedLinear
-    from exl3rt.integrations.vllm.experts import GATED, StoredExperts, expert_slice, rank_layer_experts
+    from exl3rt.integrations.vllm.experts import GATED, expert_slice, rank_layer_experts
     from exl3rt.moe.rank_checkpoint import load_rank_sliced, save_rank_sliced
 
     h, i, ks = 128, 256, (4, 3)
@@ -399,12 +407,7 @@ def test_rank_sliced_checkpoint_gives_the_same_codes_as_slicing_stored_experts(t
     save_rank_sliced(tmp_path / "ck", {"model.layers.0.mlp": full}, 2)
     for rank in range(2):
         sl = expert_slice("model.layers.0.mlp.experts", h, i, 2, rank, require_blocks=True)
-        col = StoredExperts("model.layers.0.mlp.experts", len(ks), GATED, sl)
-        for e, ex in enumerate(stored):
-            for p, fields in ex.items():
-                for f, t in fields.items():
-                    col.add(e, p, f, t)
-        want = col.encoded()
+        want = _collect("model.layers.0.mlp.experts", stored, sl).encoded()
         layer = load_rank_sliced(tmp_path / "ck", rank, 2)["model.layers.0.mlp"]
         got = rank_layer_experts(layer, sl, GATED)
         for e in range(len(ks)):

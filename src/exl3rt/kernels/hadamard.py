@@ -20,6 +20,10 @@ if HAVE_GDC:
     from ._triton import gdc_launch_dependents, gdc_wait
 
 if HAVE_TRITON:
+    from ..format.hadamard import HAD_SCALE
+
+    HAD_SCALE_C = tl.constexpr(HAD_SCALE)   # 1/sqrt(128), for the passes that scale by it
+
     @triton.jit
     def _fwht128(x, BR: tl.constexpr):
         """Unnormalized Sylvester Walsh-Hadamard transform of each row of x [BR, 128] (fp32):
@@ -57,7 +61,7 @@ if HAVE_TRITON:
                 blk = tl.load(x_ptr + (s0 + sb)[:, None, None] * stride_split + offs[None, :, :],
                               mask=sm[:, None, None] & rmask[None, :, None], other=0.0)
                 x += tl.sum(blk, axis=0)
-        scale = tl.load(s_ptr + c).to(tl.float32) * 0.08838834764831845  # 1/sqrt(128)
+        scale = tl.load(s_ptr + c).to(tl.float32) * HAD_SCALE_C
         if PRE:
             x = x * scale[None, :]
         y = _fwht128(x, BR)

@@ -252,10 +252,10 @@ PATHS = ("auto", "gemv", "mma", "decode_mm")
 MMA_MAX_ROWS = 32  # the mma GEMV decodes once per 16 (17-32 rows: 32) rows; above, decode + cuBLAS wins
 
 
-def choose_path(rows: int, gemv_max_rows: int = GEMV_DISPATCH_ROWS, bits: Optional[Bits] = None) -> str:
+def choose_path(rows: int, gemv_max_rows: int = GEMV_DISPATCH_ROWS) -> str:
     """``gemv`` (fp32 FFMA decode-on-the-fly) up to ``gemv_max_rows`` rows (none by default),
     ``mma`` (warp-level tensor-core GEMV) up to :data:`MMA_MAX_ROWS`, else ``decode_mm`` (Q to
-    fp16, then cuBLAS). ``bits``: reserved for K-dependent thresholds (none at present)."""
+    fp16, then cuBLAS)."""
     if rows <= min(gemv_max_rows, GEMV_MAX_ROWS):
         return "gemv"
     return "mma" if rows <= MMA_MAX_ROWS else "decode_mm"
@@ -285,7 +285,7 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
     if rows == 0:
         return y
     if path == "auto":
-        path = choose_path(rows, gemv_max_rows, kbits)
+        path = choose_path(rows, gemv_max_rows)
     if path == "gemv":
         if rows > GEMV_MAX_ROWS:
             raise ValueError(f"path='gemv' takes at most {GEMV_MAX_ROWS} rows, got {rows}")
@@ -316,11 +316,11 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.matmul(a, b).float()
 
 
-def specialization(rows: int, bits: Optional[Bits] = None) -> tuple:
+def specialization(rows: int) -> tuple:
     """The kernel specializations ``exl3_linear`` uses for ``rows`` (per layer shape, K and codebook):
     the path, its launch configuration and the Hadamard passes' row block (the kernels do not
     specialize on ``rows`` itself)."""
-    path = choose_path(rows, bits=bits)
+    path = choose_path(rows)
     cfg = default_mma_config(rows) if path == "mma" else None
     return (path, cfg, min(16, next_pow2(rows)))
 
@@ -344,7 +344,7 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Iterable[int] = 
         suh = torch.ones(in_p, dtype=torch.float16, device=device)
         svh = torch.ones(out_p, dtype=torch.float16, device=device)
         for r in rows:
-            key = (in_p, out_p, bits, codebook, dtype, specialization(r, bits))
+            key = (in_p, out_p, bits, codebook, dtype, specialization(r))
             if key in done:
                 continue
             done.add(key)

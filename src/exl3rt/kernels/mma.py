@@ -102,14 +102,14 @@ if HAVE_TRITON:
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
 
     @triton.jit
-    def _load_words(pws, NT: tl.constexpr, STRIDE: tl.constexpr, NWL: tl.constexpr):
-        """Per tile s < NT: the lane's NWL raw words (int32); ``pws[i]`` points at word i of tile 0 and
-        tile s lies ``s·STRIDE`` words further (a constant: folded into the load's address)."""
+    def _load_words(wbase, off, NT: tl.constexpr, STRIDE: tl.constexpr, NWL: tl.constexpr):
+        """Per tile s < NT: the lane's NWL raw words (int32); ``wbase[i] + off`` points at word i of tile 0
+        and tile s lies ``s·STRIDE`` words further (a constant: folded into the load's address)."""
         out = ()
         for s_ in tl.static_range(NT):
             ws = ()
             for i in tl.static_range(NWL):
-                ws = ws + (tl.load(pws[i] + s_ * STRIDE),)
+                ws = ws + (tl.load(wbase[i] + off + s_ * STRIDE),)
             out = out + (ws,)
         return out
 
@@ -229,10 +229,7 @@ if HAVE_TRITON:
         # one is decoded, so each lane has two tiles' loads in flight. A warp whose k-tile lies past a1
         # (KSPLIT tail) reads the last k-tile's words but a zero x', so it adds nothing.
         ak = tl.minimum(a0 + kw, a1 - 1)
-        pws = ()
-        for i in tl.static_range(NWL):
-            pws = pws + (wbase[i] + ak * kstride,)
-        wn = _load_words(pws, NT, TSTRIDE * NW, NWL)
+        wn = _load_words(wbase, ak * kstride, NT, TSTRIDE * NW, NWL)
         if PDL:
             gdc_wait()                                            # x' comes from the previous kernel
         if ASM:
@@ -244,10 +241,7 @@ if HAVE_TRITON:
             wc = wn
             ac = a + kw                                           # this iteration's k-tile (per warp)
             an = tl.minimum(ac + STEP, a1 - 1)
-            pws = ()
-            for i in tl.static_range(NWL):
-                pws = pws + (wbase[i] + an * kstride,)
-            wn = _load_words(pws, NT, TSTRIDE * NW, NWL)
+            wn = _load_words(wbase, an * kstride, NT, TSTRIDE * NW, NWL)
             if ASM:
                 xc = xn
                 if SWAP:

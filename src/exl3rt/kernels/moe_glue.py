@@ -25,11 +25,8 @@ from __future__ import annotations
 
 from ._triton import HAVE_TRITON, tl, triton
 
-HAD_SCALE = 0.08838834764831845  # 1/sqrt(128); the kernels spell it out (a jit function may only read
-#                                   constexpr globals)
-
 if HAVE_TRITON:
-    from .hadamard import _fwht128
+    from .hadamard import HAD_SCALE_C, _fwht128
 
     @triton.jit
     def _sum_splits(ptr, offs, mask, splits, stride_s, SB: tl.constexpr, BR: tl.constexpr):
@@ -92,6 +89,14 @@ if HAVE_TRITON:
         tl.store(counts_ptr + tl.where(valid, sb, 0), rank + 1, mask=valid & (sb != nxt))
         tl.store(npad_ptr, tl.sum(plast, axis=0))
 
+    @triton.jit
+    def _slot_block(npad_ptr, slots, BR: tl.constexpr):
+        """This program's slots ``s`` (BR of them), columns ``c`` (one 128-block) and which slots exist
+        (below ``num_padded`` and ``slots``)."""
+        s = tl.program_id(0) * BR + tl.arange(0, BR)
+        c = tl.program_id(1) * 128 + tl.arange(0, 128)
+        return s, c, s < tl.minimum(tl.load(npad_ptr), slots)
+
     @triton.jit(do_not_specialize=["slots", "numel", "k", "stride_x", "two"])
     def _moe_pre_kernel(x_ptr, routes_ptr, blk_ptr, npad_ptr, su_ptr, sg_ptr, xs_ptr, pos_ptr,
                         slots, numel, k, H, stride_x, su_se, sg_se, stride_xsp, two,
@@ -101,12 +106,7 @@ if HAVE_TRITON:
         x'_up at ``xs + stride_xsp`` (the order of the gate+up launch's projections); 0: x'_up (shared
         with gate) at ``xs``. ``two`` is a runtime value, not a specialization: one compiled kernel (and
         one prewarm) serves both."""
-        pid_r = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        s = pid_r * BR + tl.arange(0, BR)
-        c = pid_c * 128 + tl.arange(0, 128)
-        npad = tl.load(npad_ptr)
-        smask = s < tl.minimum(npad, slots)
+        s, c, smask = _slot_block(npad_ptr, slots, BR)
         r = tl.load(routes_ptr + s, mask=smask, other=numel)
         live = smask & (r < numel)
         tok = tl.where(live, r // k, 0).to(tl.int64)
@@ -115,13 +115,13 @@ if HAVE_TRITON:
         xv = tl.load(x_ptr + tok[:, None] * stride_x + c[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         so = s.to(tl.int64)[:, None] * H + c[None, :]
         su = tl.load(su_ptr + e[:, None] * su_se + c[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        yu = _fwht128(xv * (su * 0.08838834764831845), BR)
+        yu = _fwht128(xv * (su * HAD_SCALE_C), BR)
         tl.store(xs_ptr + two * stride_xsp + so, yu.to(tl.float16), mask=smask[:, None])
         if two != 0:
             sg = tl.load(sg_ptr + e[:, None] * sg_se + c[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-            yg = _fwht128(xv * (sg * 0.08838834764831845), BR)
+            yg = _fwht128(xv * (sg * HAD_SCALE_C), BR)
             tl.store(xs_ptr + so, yg.to(tl.float16), mask=smask[:, None])
-        if pid_c == 0:
+        if tl.program_id(1) == 0:
             tl.store(pos_ptr + tl.where(live, r, 0), s, mask=live)
 
     @triton.jit(do_not_specialize=["slots", "splits", "numel"])
@@ -130,12 +130,7 @@ if HAVE_TRITON:
                         GATED: tl.constexpr, BR: tl.constexpr, SB: tl.constexpr, BLOCK_M: tl.constexpr):
         """h'[s, cols] = ((silu(g)·u) ⊙ down_suh[e])·H (ungated: silu(u)), g/u = (Σ_split z)·H ⊙ svh[e];
         padding slots get zero rows without reading their partials, nothing past ``num_padded``."""
-        pid_r = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        s = pid_r * BR + tl.arange(0, BR)
-        c = pid_c * 128 + tl.arange(0, 128)
-        npad = tl.load(npad_ptr)
-        smask = s < tl.minimum(npad, slots)
+        s, c, smask = _slot_block(npad_ptr, slots, BR)
         live = smask & (tl.load(routes_ptr + s, mask=smask, other=numel) < numel)
         e = tl.maximum(tl.load(blk_ptr + s // BLOCK_M, mask=live, other=0), 0).to(tl.int64)
         offs = s.to(tl.int64)[:, None] * I + c[None, :]
@@ -145,15 +140,15 @@ if HAVE_TRITON:
         else:
             zu_ptr = z_ptr
         usv = tl.load(usv_ptr + e[:, None] * u_se + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        u = _fwht128(_sum_splits(zu_ptr, offs, m2, splits, stride_zs, SB, BR), BR) * (usv * 0.08838834764831845)
+        u = _fwht128(_sum_splits(zu_ptr, offs, m2, splits, stride_zs, SB, BR), BR) * (usv * HAD_SCALE_C)
         if GATED:
             gsv = tl.load(gsv_ptr + e[:, None] * g_se + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            g = _fwht128(_sum_splits(z_ptr, offs, m2, splits, stride_zs, SB, BR), BR) * (gsv * 0.08838834764831845)
+            g = _fwht128(_sum_splits(z_ptr, offs, m2, splits, stride_zs, SB, BR), BR) * (gsv * HAD_SCALE_C)
             h = g / (1.0 + tl.exp(-g)) * u
         else:
             h = u / (1.0 + tl.exp(-u))
         dsu = tl.load(dsu_ptr + e[:, None] * d_se + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        hd = _fwht128(h * (dsu * 0.08838834764831845), BR)
+        hd = _fwht128(h * (dsu * HAD_SCALE_C), BR)
         tl.store(h_ptr + offs, hd.to(tl.float16), mask=smask[:, None])
 
     @triton.jit(do_not_specialize=["numel", "splits", "cap"])
@@ -177,9 +172,9 @@ if HAVE_TRITON:
         offs = p.to(tl.int64)[:, None] * H + c[None, :]
         z = _sum_splits(z_ptr, offs, m2, splits, stride_zs, SB, KP)
         sv = tl.load(sv_ptr + e[:, None] * sv_se + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        yv = _fwht128(z, KP) * (sv * (wt * 0.08838834764831845)[:, None])
+        yv = _fwht128(z, KP) * (sv * (wt * HAD_SCALE_C)[:, None])
         yv = tl.where(m2, yv, 0.0)
         tl.store(y_ptr + t.to(tl.int64) * H + c, tl.sum(yv, axis=0).to(y_ptr.dtype.element_ty))
 
 
-__all__ = ["HAD_SCALE"]
+__all__: list[str] = []
