@@ -192,11 +192,12 @@ def main(argv=None):
                   f"{ {k: v for k, v in chk.items() if k.startswith('rel')} }", flush=True)
             x1 = torch.randn(1, in_p, device=dev)
             us = time_graphs([lambda c=c: kl.gemv_rotated(x1, c[0], cb) for c in codes], args.iters)
-            x16 = torch.randn(16, in_p, device=dev, dtype=torch.float16)
-            us16 = time_graphs([lambda c=c: kl.mma_rotated(x16, c[0], cb) for c in codes], args.iters)
-            x1h = x1.half()
-            ub1 = time_batched([lambda c=c: kl.mma_rotated(x1h, c[0], cb) for c in codes], args.iters)
-            ub16 = time_batched([lambda c=c: kl.mma_rotated(x16, c[0], cb) for c in codes], args.iters)
+            # x' in fragment order, as exl3_linear's pre-pass writes it (padded to whole row blocks)
+            x16 = torch.randn(kl.xfrag_rows(16, kl.default_mma_config(16)), in_p, device=dev, dtype=torch.float16)
+            us16 = time_graphs([lambda c=c: kl.mma_rotated(x16, c[0], cb, rows=16) for c in codes], args.iters)
+            x1h = torch.randn(kl.xfrag_rows(1, kl.default_mma_config(1)), in_p, device=dev, dtype=torch.float16)
+            ub1 = time_batched([lambda c=c: kl.mma_rotated(x1h, c[0], cb, rows=1) for c in codes], args.iters)
+            ub16 = time_batched([lambda c=c: kl.mma_rotated(x16, c[0], cb, rows=16) for c in codes], args.iters)
             nweights = in_p * out_p
             results["gemv_kernel"].append({"in": in_p, "out": out_p, "K": bits, "us": us,
                                            "tweights_per_s": nweights / us / 1e6,
@@ -211,7 +212,7 @@ def main(argv=None):
                 row = {"in": in_p, "out": out_p, "K": bits, "rows": r, "us": us, "bf16_us": bf16[r],
                        "batched_us": time_batched(fns, args.iters), "bf16_batched_us": bf16_b[r],
                        "path": kl.choose_path(r), "exllamav3_us": ANCHORS.get((in_p, out_p, bits, r))}
-                others = {1: ("gemv", "mma"), 4: ("gemv", "decode_mm"), 16: ("decode_mm",), 64: ("mma",)}.get(r, ())
+                others = {1: ("gemv",), 4: ("gemv", "decode_mm"), 16: ("decode_mm",), 64: ("decode_mm",)}.get(r, ())
                 for other in others:  # the other paths, for the dispatch thresholds
                     row[f"{other}_us"] = time_graphs(
                         [lambda c=c, o=other: kl.exl3_linear(x, c[0], c[1], c[2], cb, path=o) for c in codes],

@@ -119,7 +119,9 @@ class Bf16MoE:
         flat = ids.reshape(-1)
         order = torch.argsort(flat)
         tok = order // k
-        offs = torch.cumsum(torch.bincount(flat, minlength=self.e), 0).to(torch.int32)
+        # per-expert counts by scatter_add (torch.bincount reads its size on the host: not graph-capturable)
+        counts = torch.zeros(self.e, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts, 0).to(torch.int32)
         xs = x[tok]
         gu = F.silu(torch._grouped_mm(xs, self.gate, offs=offs)) * torch._grouped_mm(xs, self.up, offs=offs)
         yd = torch._grouped_mm(gu, self.down, offs=offs) * wts.reshape(-1)[order, None].to(x.dtype)

@@ -127,6 +127,12 @@ def test_gemm_path_decode_then_matmul():
     ("mcg", 3, (128, 256), 8, (1, 2, 2, False, 1, True)),
     ("mul1", 2.5, (256, 128), 11, (2, 2, 3, False, 1, True)),
     ("3inst", 6, (128, 128), 5, (1, 1, 8, False, 1, True)),
+    # unroll (k-tiles per loop iteration) against the default for the K: one split of 24 k-tiles over 8
+    # k-split warps leaves each warp 3, so the second k-tile of its last iteration lies past the split
+    ("mcg", 4, (384, 128), 3, (1, 8, 0, True, 1, False, 2)),
+    ("mcg", 4, (256, 128), 2, (2, 1, 4, False, 1, True, 1)),
+    ("3inst", 6, (256, 128), 9, (1, 2, 3, False, 1, False, 2)),
+    ("mul1", 2.5, (128, 256), 20, (1, 2, 2, False, 2, False, 1)),
 ])
 def test_mma_matches_reconstruct(codebook, bits, shape, rows, cfg):
     """The warp-level mma GEMV (interpreter: its per-lane decode feeds an emulation of the mma;
@@ -137,10 +143,10 @@ def test_mma_matches_reconstruct(codebook, bits, shape, rows, cfg):
     x = torch.randn(rows, in_p, generator=torch.Generator().manual_seed(rows))
     ref = x.double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), codebook, dtype=torch.float64)
     nt, nw, tp, *more = cfg
-    ks, mb, sw = (list(more) + [False, 1, False][len(more):])[:3]
+    ks, mb, sw, un = (list(more) + [False, 1, False, 0][len(more):])[:4]
     y = kl.exl3_linear(x.to(DEV), tr, suh, svh, codebook, path="mma",
                        mma_cfg=kl.MmaConfig(nt=nt, num_warps=nw, target_programs=tp, ksplit=ks, row_blocks=mb,
-                                            swap=sw))
+                                            swap=sw, unroll=un))
     assert y.shape == (rows, out_p)
     assert _rel(y, ref) < 1e-3
 
@@ -163,8 +169,9 @@ def test_mma_words_per_lane():
 
 
 def test_dispatch_and_prewarm_buckets():
-    assert [kl.choose_path(r) for r in (1, 2, 16, 17, 32, 33, 2048)] == \
-        ["mma", "mma", "mma", "mma", "mma", "decode_mm", "decode_mm"]
+    assert [kl.choose_path(r) for r in (1, 2, 16, 17, 32, 33, 64, 65, 2048)] == \
+        ["mma", "mma", "mma", "mma", "mma", "mma", "mma", "decode_mm", "decode_mm"]
+    assert [kl.default_mma_config(r).row_blocks for r in (16, 17, 32, 33, 64)] == [1, 2, 2, 4, 4]
     assert [kl.choose_path(r, gemv_max_rows=4) for r in (1, 4, 5)] == ["gemv", "gemv", "mma"]
     assert [kl.default_mma_config(r).swap for r in (1, 8, 9)] == [True, True, False]
     assert len({kl.specialization(r) for r in kl.PREWARM_ROWS}) == len(kl.PREWARM_ROWS)
@@ -187,12 +194,55 @@ def test_hadamard_passes(rows):
     assert _rel(out, hadamard_blocks(z.double().sum(0), dim=1) * s.double()) < 1e-6
 
 
+def _fragment_offsets_from_spec(rows_pad: int, n: int, swap: bool) -> torch.Tensor:
+    """fp16 offset of x'[m, k] written from the PTX ``mma.m16n8k16`` fragment tables, lane by lane: per row
+    block and k-tile, lane L = 4g + c stores its registers in order, two fp16 each — A (16 × 16, row-major):
+    a0 = x'[g, 2c..2c+1], a1 = x'[g+8, 2c..], a2 = x'[g, 2c+8..], a3 = x'[g+8, 2c+8..]; B (x'ᵀ, 16 × 8):
+    b0 = x'[g, 2c..2c+1], b1 = x'[g, 2c+8..2c+9]."""
+    out = torch.full((rows_pad, n), -1, dtype=torch.int64)
+    rb_rows = 8 if swap else 16
+    regs = [(0, 0), (0, 8)] if swap else [(0, 0), (8, 0), (0, 8), (8, 8)]   # (row, column) offsets
+    pos = 0
+    for rb in range(rows_pad // rb_rows):
+        for a in range(n // 16):
+            for lane in range(32):
+                g, c = lane // 4, lane % 4
+                for dr, dk in regs:
+                    for j in range(2):
+                        out[rb * rb_rows + g + dr, a * 16 + 2 * c + dk + j] = pos
+                        pos += 1
+    return out
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_xfrag_layout(swap):
+    """x' in fragment order: the Python statement equals the PTX fragment tables, and the pre-pass with
+    ``frag`` writes exactly the plain pre-pass's x' scattered to it (bit for bit), padding rows zero."""
+    from exl3rt.kernels.hadamard import xfrag_offsets
+    rows, n = 11, 256
+    rows_pad = kl.xfrag_rows(rows, kl.MmaConfig(swap=swap))
+    assert rows_pad == (16 if swap else 16) and kl.xfrag_rows(3, kl.MmaConfig(swap=swap)) == (8 if swap else 16)
+    assert torch.equal(xfrag_offsets(rows_pad, n, swap), _fragment_offsets_from_spec(rows_pad, n, swap))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, n, generator=g).to(torch.bfloat16)
+    s = torch.randn(n, generator=g).half()
+    plain = torch.empty(rows, n, dtype=torch.float16, device=DEV)
+    kl._had(x.to(DEV), s.to(DEV), plain, pre=True)
+    frag = torch.full((rows_pad, n), float("nan"), dtype=torch.float16, device=DEV)
+    kl._had(x.to(DEV), s.to(DEV), frag, pre=True, frag=2 if swap else 1)
+    want = torch.zeros(rows_pad * n, dtype=torch.float16)
+    want[xfrag_offsets(rows_pad, n, swap)[:rows].reshape(-1)] = plain.cpu().reshape(-1)
+    assert torch.equal(frag.cpu().reshape(-1), want)
+
+
 def test_gemv_splits():
     assert kl.gemv_splits(256, 28, 528) == (19, 14)
     assert kl.gemv_splits(8, 1, 0) == (1, 8)
+    assert kl.gemv_splits(256, 224, 1056, k_multiple=8) == (5, 56)   # 52 rounded up to the mma loop's step
     for in_tiles, nb, tgt in [(1, 5, 100), (300, 7, 528), (17, 1, 4)]:
-        s, k = kl.gemv_splits(in_tiles, nb, tgt)
-        assert (s - 1) * k < in_tiles <= s * k
+        for mult in (1, 2, 8):
+            s, k = kl.gemv_splits(in_tiles, nb, tgt, k_multiple=mult)
+            assert (s - 1) * k < in_tiles <= s * k and k % mult == 0
 
 
 def test_rejects_bad_shapes():

@@ -43,3 +43,27 @@ def test_lane_decode_ptx_instruction_budget():
     windows = [s for s in body if s.strip().split()[0] in ("shr.b32", "and.b32", "prmt.b32", "shf.r.clamp.b32")
                and "{" not in s]
     assert len(windows) <= 16
+
+
+def _window_instructions(ka, half):
+    text = lane_decode_ptx(ka, half, 1, CB_AFFINE[1][0], 0)[0]
+    ops = [ln.split(" ")[0] for ln in text.splitlines()]
+    norm = lane_span_words(ka, half) if (8 * ka + 4 * half) % 32 else 0
+    return sum(op in ("shr.b32", "shf.r.clamp.b32", "and.b32", "prmt.b32") for op in ops) - norm
+
+
+@pytest.mark.parametrize("ka,half", [(k, 0) for k in range(1, 9)] + [(1, 1), (2, 1), (3, 1)])
+def test_plan_windows_shares_extracts(ka, half):
+    """Every window is one and/prmt/shr of an extract at offset 0/8/16 below it; each extract that is not a
+    word costs one shift, and the plan needs no more of them than cutting each window on its own."""
+    from exl3rt.kernels.lane_decode import plan_windows, window_end
+    plan = plan_windows(ka, half)
+    offsets = [window_end(p, ka, half) - plan[p] for p in range(8)]
+    assert all(o in (0, 8, 16) for o in offsets)
+    shifts = len({e for e in plan.values() if e % 32})
+    assert _window_instructions(ka, half) == 8 + shifts
+    alone = sum(1 for p in range(8) if not any((window_end(p, ka, half) - o) % 32 == 0 and window_end(p, ka, half) >= o
+                                               for o in (0, 8, 16)))
+    assert shifts <= alone
+    if (ka, half) in ((2, 0), (4, 0)):                  # windows 8 / 16 bits apart share extracts
+        assert shifts == 3 and shifts < alone

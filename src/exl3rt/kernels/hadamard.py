@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..util.ints import next_pow2
@@ -36,12 +38,29 @@ if HAVE_TRITON:
             x = tl.reshape(y, [BR, 128])
         return x
 
-    @triton.jit(do_not_specialize=["rows", "splits"])
+    @triton.jit
+    def _xfrag_offsets(m, k, bstride, SWAP: tl.constexpr):
+        """fp16 offset of x'[m, k] in the mma GEMV's fragment order (:func:`xfrag_offsets`); ``bstride``:
+        int32 words per row block (16 rows, 8 with ``SWAP``)."""
+        kk = k % 16
+        if SWAP:    # B fragment of x'ᵀ (16 × 8): lane 4g + c holds x'[g, 2c, 2c + 1] and x'[g, 2c + 8, 2c + 9]
+            lane = 4 * (m % 8) + (kk % 8) // 2
+            off = ((m // 8) * bstride + (k // 16) * 64 + lane * 2) * 2 + (kk // 8) * 2 + kk % 2
+        else:       # A fragment (16 × 16): registers x'[g, 2c..], x'[g + 8, 2c..], x'[g, 2c + 8..], x'[g + 8, 2c + 8..]
+            rr = m % 16
+            lane = 4 * (rr % 8) + (kk % 8) // 2
+            off = ((m // 16) * bstride + (k // 16) * 128 + lane * 4) * 2 + (rr // 8 + 2 * (kk // 8)) * 2 + kk % 2
+        return off
+
+    @triton.jit(do_not_specialize=["rows", "splits", "rows_out"])
     def _had_kernel(x_ptr, s_ptr, y_ptr, rows, n, splits, stride_split, PRE: tl.constexpr,
-                    BR: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False):
+                    BR: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False, FRAG: tl.constexpr = 0,
+                    rows_out=0):
         """One [BR, 128] block: PRE: y = (x ⊙ s)·H; else y = (Σ_split x[split])·H ⊙ s  (H = H128/√128).
         ``PDL`` (programmatic dependent launch): let the next kernel launch now, wait for the previous
-        one's writes before reading."""
+        one's writes before reading. ``FRAG`` (PRE only): y is written in the mma GEMV's fragment order
+        (1: A fragments of 16-row blocks, 2: B fragments of 8-row blocks), ``rows_out`` rows (the rows past
+        ``rows`` zero)."""
         if PDL:
             gdc_launch_dependents()
             gdc_wait()
@@ -67,19 +86,52 @@ if HAVE_TRITON:
         y = _fwht128(x, BR)
         if not PRE:
             y = y * scale[None, :]
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=rmask[:, None])
+        if FRAG:
+            fo = _xfrag_offsets(r[:, None], c[None, :], n * (4 if FRAG == 2 else 8), FRAG == 2)
+            tl.store(y_ptr + fo, y.to(y_ptr.dtype.element_ty), mask=(r < rows_out)[:, None])
+        else:
+            tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 def had(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, pre: bool, splits: int = 1,
-        stride_split: int = 0, pdl: bool = False) -> torch.Tensor:
-    """pre: out = (x ⊙ scale)·H per 128-block; post: out = (Σ_split x[split])·H ⊙ scale. One launch."""
-    rows, n = out.shape
-    # post-pass: at most 4 rows per program (more programs, each summing SB splits per load: ~64
-    # fp32 of the [SB, BR, 128] block per thread); the pre-pass reads one value per element
-    br = min(16 if pre else 4, next_pow2(rows))
-    warps = 1 if br <= 2 else 4
-    sb = 1 if pre else min(max(1, (64 * 32 * warps) // (br * 128)), next_pow2(splits))
-    grid = (triton.cdiv(rows, br), n // 128)
+        stride_split: int = 0, pdl: bool = False, frag: int = 0, launch: Optional[tuple[int, int, int]] = None
+        ) -> torch.Tensor:
+    """pre: out = (x ⊙ scale)·H per 128-block; post: out = (Σ_split x[split])·H ⊙ scale. One launch.
+    ``frag`` (pre only): out ``[rows_pad, n]`` in the mma GEMV's fragment order (1: 16-row A fragments,
+    2: 8-row B fragments; :func:`xfrag_offsets`), rows past x's zero."""
+    rows_out, n = out.shape
+    rows = x.shape[0] if frag else rows_out
+    # post-pass of split-K partials: one row per one-warp program, up to 32 splits per load (H200,
+    # 2026-11-30, one graph of 32 calls, the partials of the mma GEMV: 4096x14336 rows 8 (19 splits)
+    # 4.4 vs 10.7 µs with 4 rows × 4 warps per program, rows 16 4.4 vs 9.3, rows 4 2.5 vs 6.1; best of
+    # 36 launch configurations at rows 1/4/8/16 in two shapes). Otherwise at most 4 rows per program,
+    # ~64 fp32 of the [SB, BR, 128] block per thread; the pre-pass reads one value per element
+    if launch is not None:     # (rows per program, warps, splits per load): tuning override
+        br, warps, sb = launch
+    elif not pre and splits > 1:
+        br, warps, sb = 1, 1, min(32, next_pow2(splits))
+    else:
+        br = min(16 if pre else 4, next_pow2(rows))
+        warps = 1 if br <= 2 else 4
+        sb = 1 if pre else min(max(1, (64 * 32 * warps) // (br * 128)), next_pow2(splits))
+    grid = (triton.cdiv(rows_out, br), n // 128)
     extra = {"PDL": True, "launch_pdl": True} if pdl else {}
-    _had_kernel[grid](x, scale, out, rows, n, splits, stride_split, PRE=pre, BR=br, SB=sb, num_warps=warps, **extra)
+    _had_kernel[grid](x, scale, out, rows, n, splits, stride_split, PRE=pre, BR=br, SB=sb, num_warps=warps,
+                      FRAG=frag, rows_out=rows_out, **extra)
     return out
+
+
+def xfrag_offsets(rows_pad: int, n: int, swap: bool) -> torch.Tensor:
+    """``[rows_pad, n]`` int64: the fp16 offset of x'[m, k] in the mma GEMV's fragment order (the Python
+    statement of ``_xfrag_offsets``). Per row block (16 rows; 8 with ``swap``) and k-tile (16 columns),
+    lane L's registers are contiguous at 16·L bytes (8·L with ``swap``), in the ``mma.m16n8k16`` A
+    fragment order (``swap``: the B fragment of x'ᵀ), so that a lane loads them as one vector."""
+    m = torch.arange(rows_pad)[:, None]
+    k = torch.arange(n)[None, :]
+    kk = k % 16
+    if swap:
+        lane = 4 * (m % 8) + (kk % 8) // 2
+        return ((m // 8) * (n * 8) + (k // 16) * 128 + lane * 4) + (kk // 8) * 2 + kk % 2
+    rr = m % 16
+    lane = 4 * (rr % 8) + (kk % 8) // 2
+    return ((m // 16) * (n * 16) + (k // 16) * 256 + lane * 8) + (rr // 8 + 2 * (kk // 8)) * 2 + kk % 2

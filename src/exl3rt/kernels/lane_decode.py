@@ -11,8 +11,10 @@ PTX block whose instruction choice is fixed here rather than left to Triton's co
 * normalization: ``shf.r.clamp`` funnel shifts by ``R`` (none when every lane ends on a word: K = 4,
   8), after which position p's 16-bit window ends ``D_p = (7 − p)·KA + HALF·(4 − ⌊(p + 1)/2⌋)``
   bits before the end — a compile-time constant;
-* windows: byte-aligned windows inside one word are one ``prmt`` (zero fill from the second
-  operand), the top half one ``shr``, others ``shr``/``shf`` + ``and``;
+* windows (:func:`plan_windows`): each 16-bit window is cut from a 32-bit extract at offset 0, 8 or 16
+  by one ``and``, ``prmt`` (zero fill) or ``shr``; an extract is a word itself or one funnel shift, and
+  windows 8 or 16 bits apart share one (K = 4 and K = 2: 11 instructions for the 8 windows instead
+  of 13 and 14);
 * MCG/3INST: ``mul.lo``/``mad.lo`` by the codebook multiplier, one ``lop3`` for
   ``(x & 0x8FFF8FFF) ^ 0x3B603B60``, ``add.rn.f16`` of the two halves (one HADD2 with half
   selectors per weight, off the integer pipe) and one ``mov {lo, hi}`` (PRMT) per pair;
@@ -88,26 +90,29 @@ def lane_decode_ptx(ka: int, half: int, cb: int, mult: int, add: int) -> tuple[s
         nf = raw
 
     states: list[str] = []
-    for p in range(8):
-        d_end = window_end(p, ka, half)
-        j = nwl - 1 - d_end // 32
-        d = d_end % 32
-        s = r32(f"s{p}")
-        if d <= 16:
-            w = nf[j]
-            if d == 16:
-                lines.append(f"shr.b32 {s}, {w}, 16;")
-            elif d % 8 == 0:
-                sel = 0x4400 | ((d // 8 + 1) << 4) | (d // 8)
-                lines.append(f"prmt.b32 {s}, {w}, 0, 0x{sel:04X};")
-            else:
-                lines.append(f"shr.b32 {s}, {w}, {d};")
-                lines.append(f"and.b32 {s}, {s}, 0xFFFF;")
+    extracts = plan_windows(ka, half)
+    made: dict[int, str] = {}
+    for e in sorted(set(extracts.values())):
+        j, d = nwl - 1 - e // 32, e % 32
+        if d == 0:
+            made[e] = nf[j]                      # a word itself
         else:
+            v = r32(f"e{e}")
             if j == 0:
-                raise AssertionError(f"K={ka}+{half}/2: window of position {p} reaches before the lane's words")
-            lines.append(f"shf.r.clamp.b32 {s}, {nf[j]}, {nf[j - 1]}, {d};")
-            lines.append(f"and.b32 {s}, {s}, 0xFFFF;")
+                lines.append(f"shr.b32 {v}, {nf[0]}, {d};")
+            else:
+                lines.append(f"shf.r.clamp.b32 {v}, {nf[j]}, {nf[j - 1]}, {d};")
+            made[e] = v
+    for p in range(8):
+        e = extracts[p]
+        v, o = made[e], window_end(p, ka, half) - e
+        s = r32(f"s{p}")
+        if o == 16:
+            lines.append(f"shr.b32 {s}, {v}, 16;")
+        elif o == 8:
+            lines.append(f"prmt.b32 {s}, {v}, 0, 0x4421;")
+        else:
+            lines.append(f"and.b32 {s}, {v}, 0xFFFF;")
         states.append(s)
 
     outs = []
@@ -148,6 +153,26 @@ def lane_decode_ptx(ka: int, half: int, cb: int, mult: int, add: int) -> tuple[s
     return text, constraints, nwl + 2
 
 
+@lru_cache(maxsize=None)
+def plan_windows(ka: int, half: int) -> dict[int, int]:
+    """Position p -> the bit offset e (from the end of the lane's normalized words) of the 32-bit extract its
+    window is cut from, at offset D_p − e ∈ {0, 8, 16} (one ``and``, ``prmt`` or ``shr``).
+
+    An extract costs one funnel shift unless it is a word itself (e a multiple of 32); windows 8 or 16 bits
+    apart share one (K = 2 and K = 4: 3 shifted extracts for the 8 windows). Exhaustive over the
+    ≤ 3⁸ assignments: the fewest funnel shifts (ties: the lowest extracts)."""
+    from itertools import product
+
+    ends = [window_end(p, ka, half) for p in range(8)]
+    choices = [[d - o for o in (0, 8, 16) if d >= o] for d in ends]
+    best = None
+    for pick in product(*choices):
+        cost = (len({e for e in pick if e % 32}), sum(pick))
+        if best is None or cost < best[0]:
+            best = (cost, pick)
+    return dict(enumerate(best[1]))
+
+
 def lane_shift(lane: int, ka: int, half: int) -> int:
     """R: how far the lane's last bit + 1 lies below the end of its last word."""
     e = (8 * lane + 8) * ka + half * (4 * lane + 4)
@@ -163,4 +188,4 @@ def lane_words(lane: int, ka: int, half: int) -> list[int]:
     return [(last - nwl + 1 + i + nw) % nw for i in range(nwl)]
 
 
-__all__ = ["lane_decode_ptx", "lane_span_words", "lane_shift", "lane_words", "window_end", "needs_shift"]
+__all__ = ["lane_decode_ptx", "plan_windows", "lane_span_words", "lane_shift", "lane_words", "window_end", "needs_shift"]

@@ -7,12 +7,13 @@
 
 * ``gemv`` (only on request, ``path="gemv"``, ≤ 16 rows): pre-pass ``x' = (x ⊙ suh)·Hk`` in fp32, ``gemv._gemv_kernel`` (FFMA,
   decode on the fly) writes fp32 split-K partials, post-pass ``y = (Σ_s z[s])·Hn ⊙ svh``;
-* ``mma`` (1–32 rows): the same passes around ``mma._mma_kernel`` — each lane
+* ``mma`` (1–64 rows): the same passes around ``mma._mma_kernel`` — each lane
   decodes its own ``mma.m16n8k16`` B fragment (the EXL3 tile order is that fragment order), x' in
-  fp16, fp32 accumulators; the decode costs the same for 1 or 16 rows, and at 17–32 rows one
-  decode feeds two 16-row blocks (``MmaConfig.row_blocks``); at 9–16 rows a program's 4 warps split
-  its k-tiles (``MmaConfig.ksplit``); up to 8 rows the decoded tile is the mma's A operand and x'ᵀ
-  the B operand (``MmaConfig.swap``: one mma per tile);
+  fp16 written by the pre-pass in fragment order (one vector load per lane and k-tile), fp32
+  accumulators; the decode costs the same for 1 or 16 rows, and at 17–32 (33–64) rows one decode
+  feeds two (four) 16-row blocks (``MmaConfig.row_blocks``); up to 8 rows the decoded tile is the mma's A operand and
+  x'ᵀ the B operand (``MmaConfig.swap``: one mma per tile); ``MmaConfig.ksplit`` (a program's warps
+  split its k-tiles) is kept as an option;
 * ``decode_mm`` (more rows): ``gemv._decode_kernel`` writes Q (fp16, bit-exact) once and cuBLAS
   computes ``x'·Q`` (fp16 operands, fp32 output), then the post-pass.
 
@@ -84,26 +85,34 @@ class MmaConfig:
     ksplit: bool = False
     row_blocks: int = 1
     swap: bool = False   # ≤ 8 rows per row block: the tile is the mma's A operand (one mma per tile)
+    unroll: int = 0      # k-tiles per loop iteration (1 or 2); 0: mma.default_unroll(K)
 
 
 # up to 8 rows: the decoded tile as the mma's A operand (one mma per tile, 78 registers), 4 tiles per
 # warp, ~4224 programs: best or within 5 % of 8 configurations at rows 1/4/8, K 2/3/4/6, three shapes
 # (H200, one graph of 32 calls, 2026-11-30)
 DEFAULT_MMA = MmaConfig(nt=4, num_warps=1, target_programs=4224, swap=True)
-# above 4 rows: 4 tiles per program, 4 warps splitting the k-tiles (H200, 4096x14336, one graph of 32
-# calls, 2026-11-30: rows 16 K4 43.5 vs 43.9 µs, K6 46.7 vs 51.4; rows 1 it loses: K4 34.6 vs 27.0)
-DEFAULT_MMA_MANY_ROWS = MmaConfig(nt=4, num_warps=4, target_programs=1056, ksplit=True)
-# 17-32 rows: one decode feeds two 16-row blocks (same run, K4: rows 24 50.2 µs, rows 32 56.2, vs decode +
-# cuBLAS 81.5 / 81.9; at 48-64 rows four blocks lose to decode_mm, 91-108 vs 83: the fp32 split-K
-# partials grow with the rows)
+# 9-16 rows: 2 tiles per one-warp program, ~4224 programs (with x' in fragment order; H200, one graph of 32
+# calls, 2026-11-30, rows 16: 4096x14336 K4 32.5 µs vs 38.7 for 4 k-splitting warps × 4 tiles, K2 32.3 vs
+# 37.4, K6 40.4 vs 40.3; 14336x4096 K4 30.1 vs 31.9, K6 36.8 vs 37.2; best or within 8 % of 7 configurations)
+DEFAULT_MMA_MANY_ROWS = MmaConfig(nt=2, num_warps=1, target_programs=4224)
+# 17-32 rows: one decode feeds two 16-row blocks (H200, 2026-11-30, one graph of 32 calls, 4096x14336 K4:
+# rows 24 37.3 µs, rows 32 42.0, vs decode + cuBLAS 83.1 / 83.4; best or within 7 % of 6 configurations
+# in two shapes, K 2/4/6, except K6 4096x14336 rows 32: 50.1 vs 47.0 for two tiles per warp)
 DEFAULT_MMA_32_ROWS = MmaConfig(nt=4, num_warps=1, target_programs=2112, row_blocks=2)
+# 33-64 rows: one decode feeds four 16-row blocks, 2 tiles per warp (same run: rows 48 / 64, 4096x14336 K4
+# 53.5 / 61.3 µs vs decode + cuBLAS 84.1 / 84.8, K6 67.1 / 75.2 vs 88.7 / 89.6; 14336x4096 K4 49.3 / 56.3
+# vs 83.8 / 85.0); at 128 rows decode + cuBLAS wins (88.5 vs 93.6-124.8)
+DEFAULT_MMA_64_ROWS = MmaConfig(nt=2, num_warps=1, target_programs=4224, row_blocks=4)
 
 
 def default_mma_config(rows: int) -> MmaConfig:
     """The mma GEMV's launch configuration for ``rows`` (see :data:`DEFAULT_MMA_MANY_ROWS`)."""
     if rows <= 8:
         return DEFAULT_MMA
-    return DEFAULT_MMA_MANY_ROWS if rows <= 16 else DEFAULT_MMA_32_ROWS
+    if rows <= 16:
+        return DEFAULT_MMA_MANY_ROWS
+    return DEFAULT_MMA_32_ROWS if rows <= 32 else DEFAULT_MMA_64_ROWS
 
 
 DEFAULT_GEMV = GemvConfig(nt=4, num_warps=1, target_programs=8448)  # best of 16 tried, 4096x14336 K4, H200
@@ -169,12 +178,13 @@ def _check(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> tuple
     return in_p, out_p, bits
 
 
-def gemv_splits(in_tiles: int, n_blocks: int, target_programs: int) -> tuple[int, int]:
-    """(splits, k-tiles per split) so that n_blocks·splits is about ``target_programs``."""
+def gemv_splits(in_tiles: int, n_blocks: int, target_programs: int, k_multiple: int = 1) -> tuple[int, int]:
+    """(splits, k-tiles per split) so that n_blocks·splits is about ``target_programs``; k-tiles per split
+    rounded up to a multiple of ``k_multiple`` (the mma loop's k-tiles per iteration)."""
     if target_programs <= 0:
         return 1, in_tiles
     splits = max(1, min(in_tiles, math.ceil(target_programs / max(1, n_blocks))))
-    k_per = math.ceil(in_tiles / splits)
+    k_per = math.ceil(math.ceil(in_tiles / splits) / k_multiple) * k_multiple
     return math.ceil(in_tiles / k_per), k_per
 
 
@@ -218,11 +228,27 @@ def decode_fp16(trellis: torch.Tensor, codebook: str, cfg: DecodeConfig = DEFAUL
     return out
 
 
-def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Optional[MmaConfig] = None) -> torch.Tensor:
-    """Split-K partials ``z[s] = x'·Q`` (fp32 ``[splits, rows, out_p]``) for fp16 ``xh`` [rows, in_p],
-    by the warp-level mma kernel (16·``row_blocks`` rows per program row-block)."""
-    rows, in_p = xh.shape
+def xfrag_rows(rows: int, cfg: MmaConfig) -> int:
+    """Rows of the fragment-ordered x' buffer of ``rows`` rows: whole row blocks of the program (16·``row_blocks``
+    rows, 8 with ``swap``), the padding zero."""
+    block = (8 if cfg.swap else 16) * cfg.row_blocks
+    return -(-rows // block) * block
+
+
+def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Optional[MmaConfig] = None, *,
+                rows: Optional[int] = None) -> torch.Tensor:
+    """Split-K partials ``z[s] = x'·Q`` (fp32 ``[splits, rows, out_p]``) for fp16 x', by the warp-level mma
+    kernel (16·``row_blocks`` rows per program row-block). ``rows=None``: ``xh`` is x' ``[rows, in_p]``,
+    row-major; else ``xh`` is x' of ``rows`` rows in fragment order (:func:`hadamard.xfrag_offsets`,
+    ``[xfrag_rows(rows, cfg), in_p]``, as the pre-pass writes it with ``frag``): one vector load per lane
+    and k-tile instead of 2–4 scalar loads over 8 rows each."""
+    xfrag = rows is not None
+    if not xfrag:
+        rows = xh.shape[0]
+    in_p = xh.shape[1]
     cfg = cfg or default_mma_config(rows)
+    if xfrag and xh.shape[0] != xfrag_rows(rows, cfg):
+        raise ValueError(f"fragment-ordered x' of {rows} rows: expected {xfrag_rows(rows, cfg)} rows, got {xh.shape[0]}")
     if cfg.ksplit:
         in_tiles, tn, nt, (ka, half), (cb, mult, add) = _geometry(trellis, codebook, cfg.nt)
         warps, nt_warp = cfg.num_warps, nt
@@ -233,13 +259,17 @@ def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Opt
     if cfg.swap and (cfg.ksplit or cfg.row_blocks != 1):
         raise ValueError(f"{cfg}: swap takes neither ksplit nor row_blocks")
     n_blocks, m_blocks = tn // nt, triton.cdiv(rows, (8 if cfg.swap else 16) * cfg.row_blocks)
-    splits, k_per = gemv_splits(in_tiles, n_blocks * m_blocks, cfg.target_programs)
+    unroll = cfg.unroll or _mm.default_unroll(bits_from_trellis(trellis), cfg.ksplit)
+    splits, k_per = gemv_splits(in_tiles, n_blocks * m_blocks, cfg.target_programs,
+                                k_multiple=unroll * (warps if cfg.ksplit else 1))
     z = torch.empty((splits, rows, tn * 16), dtype=torch.float32, device=xh.device)
     grid = (n_blocks, splits, m_blocks)
-    _mm._mma_kernel[grid](xh, trellis.view(torch.int32), z, rows, in_tiles, tn, k_per, xh.stride(0), z.stride(0), 1,
+    stride_x = in_p * (4 if cfg.swap else 8) if xfrag else xh.stride(0)     # int32 per row block / fp16 per row
+    _mm._mma_kernel[grid](xh, trellis.view(torch.int32), z, rows, in_tiles, tn, k_per, stride_x, z.stride(0), 1,
                           KA=ka, HALF=half, CB=cb, MULT=mult, ADD=add, NT=nt_warp, WARPS=warps,
                           NWL=_mm.words_per_lane(bits_from_trellis(trellis)), ASM=_use_asm(xh.device),
-                          KSPLIT=cfg.ksplit, MB=cfg.row_blocks, SWAP=cfg.swap, num_warps=warps,
+                          KSPLIT=cfg.ksplit, MB=cfg.row_blocks, SWAP=cfg.swap, UNROLL=unroll, XFRAG=xfrag,
+                          num_warps=warps,
                           num_stages=cfg.num_stages, **_pdl_args(xh.device))
     return z
 
@@ -249,7 +279,7 @@ def _pdl_args(device: torch.device) -> dict:
 
 
 PATHS = ("auto", "gemv", "mma", "decode_mm")
-MMA_MAX_ROWS = 32  # the mma GEMV decodes once per 16 (17-32 rows: 32) rows; above, decode + cuBLAS wins
+MMA_MAX_ROWS = 64  # the mma GEMV decodes once per 8 / 16 / 32 / 64 rows; above, decode + cuBLAS wins
 
 
 def choose_path(rows: int, gemv_max_rows: int = GEMV_DISPATCH_ROWS) -> str:
@@ -294,13 +324,15 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
         z = gemv_rotated(xh, trellis, codebook, gemv_cfg)
         _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0))
         return y
-    xh = torch.empty((rows, in_p), dtype=torch.float16, device=x.device)
     if path == "mma":
         pdl = _use_pdl(x.device)
-        _had(x, suh, xh, pre=True, pdl=pdl)
-        z = mma_rotated(xh, trellis, codebook, mma_cfg)
+        cfg = mma_cfg or default_mma_config(rows)
+        xf = torch.empty((xfrag_rows(rows, cfg), in_p), dtype=torch.float16, device=x.device)
+        _had(x, suh, xf, pre=True, pdl=pdl, frag=2 if cfg.swap else 1)
+        z = mma_rotated(xf, trellis, codebook, cfg, rows=rows)
         _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0), pdl=pdl)
         return y
+    xh = torch.empty((rows, in_p), dtype=torch.float16, device=x.device)
     _had(x, suh, xh, pre=True)
     q = decode_fp16(trellis, codebook, decode_cfg)
     z = torch.matmul(xh, q).float() if x.device.type == "cpu" else _mm_fp32(xh, q)
@@ -325,7 +357,7 @@ def specialization(rows: int) -> tuple:
     return (path, cfg, min(16, next_pow2(rows)))
 
 
-PREWARM_ROWS = (1, 2, 3, 5, 9, 17, 33)  # one row count per bucket of :func:`specialization`
+PREWARM_ROWS = (1, 2, 3, 5, 9, 17, 33, 65)  # one row count per bucket of :func:`specialization`
 
 
 def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Iterable[int] = PREWARM_ROWS,
@@ -356,5 +388,5 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Iterable[int] = 
 
 
 __all__ = ["exl3_linear", "gemv_rotated", "decode_fp16", "prewarm", "GemvConfig", "DecodeConfig",
-           "MmaConfig", "mma_rotated", "choose_path", "default_mma_config", "specialization", "PREWARM_ROWS", "MMA_MAX_ROWS",
+           "MmaConfig", "mma_rotated", "xfrag_rows", "choose_path", "default_mma_config", "specialization", "PREWARM_ROWS", "MMA_MAX_ROWS",
            "GEMV_MAX_ROWS", "GEMV_DISPATCH_ROWS", "interpreting", "gemv_splits"]
