@@ -101,19 +101,19 @@ def had(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, pre: bool, s
     2: 8-row B fragments; :func:`xfrag_offsets`), rows past x's zero."""
     rows_out, n = out.shape
     rows = x.shape[0] if frag else rows_out
-    # post-pass of split-K partials: one row per one-warp program, up to 32 splits per load (H200,
-    # 2026-11-30, one graph of 32 calls, the partials of the mma GEMV: 4096x14336 rows 8 (19 splits)
-    # 4.4 vs 10.7 µs with 4 rows × 4 warps per program, rows 16 4.4 vs 9.3, rows 4 2.5 vs 6.1; best of
-    # 36 launch configurations at rows 1/4/8/16 in two shapes). Otherwise at most 4 rows per program,
-    # ~64 fp32 of the [SB, BR, 128] block per thread; the pre-pass reads one value per element
+    # One-warp programs (H200, 2026-11-30, one graph of 32 calls per configuration, best of 20-36
+    # launch configurations): split-K post-pass one row per program, up to 32 splits per load
+    # (4096x14336 rows 8, 19 splits: 4.4 vs 10.7 µs with 4 rows × 4 warps, rows 16 4.4 vs 9.3, rows 4
+    # 2.5 vs 6.1); one-split post-pass 4 rows per program (2048 × 14336: 45.3 vs 60.4 µs); pre-pass 8
+    # rows per program (2048 × 14336: 31.0 vs 38.9, 2048 × 4096: 9.0 vs 12.6)
     if launch is not None:     # (rows per program, warps, splits per load): tuning override
         br, warps, sb = launch
-    elif not pre and splits > 1:
+    elif pre:
+        br, warps, sb = min(8, next_pow2(rows)), 1, 1
+    elif splits > 1:
         br, warps, sb = 1, 1, min(32, next_pow2(splits))
     else:
-        br = min(16 if pre else 4, next_pow2(rows))
-        warps = 1 if br <= 2 else 4
-        sb = 1 if pre else min(max(1, (64 * 32 * warps) // (br * 128)), next_pow2(splits))
+        br, warps, sb = min(4, next_pow2(rows)), 1, 1
     grid = (triton.cdiv(rows_out, br), n // 128)
     extra = {"PDL": True, "launch_pdl": True} if pdl else {}
     _had_kernel[grid](x, scale, out, rows, n, splits, stride_split, PRE=pre, BR=br, SB=sb, num_warps=warps,
