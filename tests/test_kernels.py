@@ -251,3 +251,31 @@ def test_rejects_bad_shapes():
         kl.exl3_linear(torch.randn(1, 64, device=DEV), tr, suh, svh, "mcg")
     with pytest.raises(Exception):
         kl.exl3_linear(torch.randn(1, 128, device=DEV), tr, suh, svh, "mcg", bits=3)
+
+
+def test_exl3linear_prewarm_runs_every_row_bucket_once_per_kernel_key(monkeypatch):
+    """``Exl3Linear.prewarm`` runs the layer's kernels once per row bucket of ``specialization`` (so that
+    nothing compiles later), nothing for a second layer with an equal kernel key (another K or dtype is
+    another key); off the kernel device it does nothing (the CPU forward is the reference, no kernels)."""
+    from kernel_env import ON_GPU
+    from exl3rt.format.encoded import EncodedLinear
+    from exl3rt.runtime.linear import Exl3Linear
+
+    def layer(bits, seed):
+        tr, suh, svh = _codes(128, 256, bits, seed)
+        return Exl3Linear.from_encoded(EncodedLinear(trellis=tr, suh=suh, svh=svh, codebook="mcg",
+                                                     in_features=128, out_features=200))
+    a, b, c = layer(4, 1), layer(4, 2), layer(3, 3)
+    assert a.kernel_key(torch.float16) == b.kernel_key(torch.float16) != c.kernel_key(torch.float16)
+    if not ON_GPU:
+        assert a.prewarm(torch.float16, set()) == 0
+        monkeypatch.setattr(Exl3Linear, "_on_kernel_device", lambda self: True)   # the interpreter runs them
+    rows = []
+    real = kl.exl3_linear
+    monkeypatch.setattr(kl, "exl3_linear", lambda x, *args, **kw: rows.append(x.shape[0]) or real(x, *args, **kw))
+    done = set()
+    n = a.prewarm(torch.float16, done)
+    assert n == len(rows) == len(kl.PREWARM_ROWS)
+    assert {kl.specialization(r) for r in rows} == {kl.specialization(r) for r in range(1, 300)}
+    assert b.prewarm(torch.float16, done) == 0 and len(rows) == n
+    assert a.kernel_key(torch.bfloat16) not in done and c.kernel_key(torch.float16) not in done

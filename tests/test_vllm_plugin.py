@@ -503,3 +503,31 @@ def test_head_is_exl3_from_files_or_quantization_config():
     assert not head_is_exl3("lm_head", {"model.layers.0.mlp.down_proj"}, {"head_bits": 6})  # the files win
     assert head_is_exl3("lm_head", None, {"head_bits": 6})
     assert not head_is_exl3("lm_head", None, {"head_bits": 16}) and not head_is_exl3("lm_head", None, {})
+
+
+def test_vllm_layers_warm_each_kernel_key_once(monkeypatch):
+    """The plugin's dense methods warm their layers' kernels at load (before vLLM's profile run and CUDA-graph
+    capture): one ``kernels.prewarm`` per distinct (shape, K, codebook, dtype) in the process, none off CUDA."""
+    from torch import nn
+    from exl3rt.format.encoded import EncodedLinear
+    from exl3rt.integrations.vllm.forward import warm_layer_kernels
+    from exl3rt.kernels import linear as kl
+    from exl3rt.runtime.linear import Exl3Linear
+
+    def lin(in_f, out_f, k, seed):
+        tr, suh, svh = _random_codes(-(-in_f // 128) * 128, -(-out_f // 128) * 128, k, seed)
+        return Exl3Linear.from_encoded(EncodedLinear(trellis=tr, suh=suh, svh=svh, codebook="mcg",
+                                                     in_features=in_f, out_features=out_f))
+    qkv, o = nn.Module(), nn.Module()
+    qkv.exl3 = nn.ModuleList([lin(256, 256, 3, 1), lin(256, 128, 3, 2), lin(256, 128, 3, 3)])
+    o.exl3 = nn.ModuleList([lin(256, 256, 3, 4)])
+    done: set = set()
+    assert warm_layer_kernels(qkv, torch.bfloat16, done) == 0 and not done      # CPU: reference forward
+    calls = []
+    monkeypatch.setattr(Exl3Linear, "_on_kernel_device", lambda self: True)
+    monkeypatch.setattr(kl, "prewarm", lambda shapes, **kw: calls.append((list(shapes), kw["dtype"])) or 3)
+    assert warm_layer_kernels(qkv, torch.bfloat16, done) == 6                     # q (256x256), k = v (256x128)
+    assert warm_layer_kernels(o, torch.bfloat16, done) == 0                       # o: the same key as q
+    assert warm_layer_kernels(o, torch.float16, done) == 3
+    assert calls == [([(256, 256, 3, "mcg")], torch.bfloat16), ([(256, 128, 3, "mcg")], torch.bfloat16),
+                     ([(256, 256, 3, "mcg")], torch.float16)]

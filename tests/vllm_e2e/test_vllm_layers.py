@@ -256,3 +256,33 @@ def test_head_unaligned_split_error_and_bf16_head(monkeypatch):
     layer = ParallelLMHead(300, 256, quant_config=_head_config({"model.layers.0.mlp.down_proj"}), prefix="lm_head",
                            params_dtype=torch.float32)
     assert isinstance(layer.quant_method, UnquantizedEmbeddingMethod)  # a BF16 head in an EXL3 checkpoint
+
+
+def test_hf_to_vllm_mapper_renames_the_stored_linears(monkeypatch):
+    """A model that renames its modules from the checkpoint's (``hf_to_vllm_mapper``, as multimodal wrappers
+    do: ``model.`` -> ``language_model.model.``) still finds its stored EXL3 linears; the mapping is applied
+    to the checkpoint's own names each time (idempotent), and the layer computes the stored matrix."""
+    from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
+    from vllm.model_executor.models.utils import WeightsMapper
+    from exl3rt.integrations.vllm.checkpoint_method import Exl3CheckpointLinearMethod
+
+    _patch_tp(monkeypatch, 0, 1)
+    prefix = "language_model.model.layers.0.mlp.down_proj"
+    cfg = _config()
+    cfg.stored = {"model.layers.0.mlp.down_proj", "lm_head"}
+    unmapped = RowParallelLinear(256, 128, bias=False, quant_config=cfg, prefix=prefix, params_dtype=torch.float32)
+    assert isinstance(unmapped.quant_method, UnquantizedLinearMethod)    # the checkpoint names it differently
+    mapper = WeightsMapper(orig_to_new_prefix={"model.": "language_model.model."})
+    for _ in range(2):
+        cfg.apply_vllm_mapper(mapper)
+        assert cfg.stored == {prefix, "lm_head"}
+    assert cfg.hf_name(prefix) == "model.layers.0.mlp.down_proj" and cfg.hf_name("lm_head") == "lm_head"
+    layer = RowParallelLinear(256, 128, bias=False, quant_config=cfg, prefix=prefix, params_dtype=torch.float32)
+    assert isinstance(layer.quant_method, Exl3CheckpointLinearMethod)
+    stored = _codes(256, 128, 3, 4)
+    for part, t in stored.items():
+        getattr(layer, part).weight_loader(getattr(layer, part), t)
+    layer.quant_method.process_weights_after_loading(layer)
+    x = _x(256)
+    w = reconstruct(stored["trellis"], stored["suh"], stored["svh"], "mcg")
+    torch.testing.assert_close(layer.quant_method.apply(layer, x), x @ w, rtol=1e-5, atol=1e-4)

@@ -159,6 +159,32 @@ class Exl3Linear(nn.Module):
             self._w_cache = w
         return w
 
+    # ---- kernel prewarm -------------------------------------------------------------------------------
+    def kernel_key(self, dtype: torch.dtype) -> tuple:
+        """What the CUDA kernels specialize on for this layer and activation ``dtype`` (the row count aside):
+        layers with equal keys share every compiled specialization."""
+        return (self.in_padded, self.out_padded, self.bits, self.codebook, dtype, str(self.trellis.device))
+
+    def _on_kernel_device(self) -> bool:
+        """True where the forward runs exl3rt's Triton kernels (CUDA)."""
+        return self.trellis.device.type == "cuda"
+
+    def prewarm(self, dtype: torch.dtype, done: Optional[set] = None) -> int:
+        """Compile every CUDA kernel specialization this layer can reach (every row bucket of
+        :func:`exl3rt.kernels.specialization`) for activations of ``dtype``, before CUDA-graph capture or
+        memory sizing; returns the launches made (0 off CUDA, or when :meth:`kernel_key` is already in
+        ``done``, which is updated)."""
+        if not self._on_kernel_device():
+            return 0
+        key = self.kernel_key(dtype)
+        if done is not None:
+            if key in done:
+                return 0
+            done.add(key)
+        from ..kernels.linear import prewarm
+        return prewarm([(self.in_padded, self.out_padded, self.bits, self.codebook)],
+                       device=self.trellis.device, dtype=dtype)
+
     # ---- forward ------------------------------------------------------------------------------------
     def _check_input(self, x: torch.Tensor) -> None:
         if x.shape[-1] != self.in_features:

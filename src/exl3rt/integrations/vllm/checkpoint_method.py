@@ -25,7 +25,7 @@ from ...format.encoded import EncodedLinear
 from ...format.errors import FormatError
 from ...runtime.linear import Exl3Linear
 from ._compat import LinearMethodBase, set_weight_attrs
-from .forward import exl3_apply, exl3_head_apply
+from .forward import exl3_apply, exl3_head_apply, warm_layer_kernels
 from .layout import plan_shards
 from .shards import HEAD_FIX, check_block_aligned, head_shard
 from .slicing import rank_piece
@@ -52,6 +52,7 @@ class Exl3CheckpointLinearMethod(LinearMethodBase):
         shards = plan_shards(layer, self.prefix, self.names, input_size_per_partition, output_partition_sizes)
         for spec in shards:
             check_block_aligned(spec, self.prefix)
+        layer.exl3_act_dtype = params_dtype
         self._placeholders(layer, shards)
 
     def _placeholders(self, layer: nn.Module, shards: list) -> None:
@@ -106,6 +107,9 @@ class Exl3CheckpointLinearMethod(LinearMethodBase):
         for part in _PLACEHOLDER_DTYPES:
             delattr(layer, part)
         del layer.exl3_parts
+        # compile every kernel specialization now: vLLM's profile run and CUDA-graph capture follow
+        warm_layer_kernels(layer, getattr(layer, "exl3_act_dtype", torch.get_default_dtype()),
+                           self.quant_config.linear_warmed)
         layer._already_called_process_weights_after_loading = True
         self.quant_config.note_layer(self.prefix, "checkpoint")
 
@@ -134,6 +138,7 @@ class Exl3CheckpointHeadMethod(Exl3CheckpointLinearMethod):
         if spec is not None:
             check_block_aligned(spec, self.prefix, fix=HEAD_FIX)
         layer.exl3_width = int(sum(output_partition_sizes))
+        layer.exl3_act_dtype = params_dtype
         self._placeholders(layer, [spec] if spec is not None else [])
 
     def tie_weights(self, layer: nn.Module, embed_tokens: nn.Module) -> nn.Module:

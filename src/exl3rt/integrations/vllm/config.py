@@ -41,11 +41,14 @@ class Exl3VllmConfig(QuantizationConfig):
         self.layers: dict[str, str] = {}        # prefix -> mode, filled as layers are processed
         self.moe_paths: dict[str, str] = {}     # experts prefix -> "runtime <tiers>" | "loop: <reason>"
         self.moe_warmed: set[int] = set()       # ids of MoE runtimes warmed in this process
+        self.linear_warmed: set[tuple] = set()  # Exl3Linear.kernel_key()s warmed in this process
         self.model_dir: Optional[str] = None   # the checkpoint directory (checkpoint mode, local dirs)
         self.rank_meta = None                   # exl3rt.moe.rank_checkpoint.RankMetadata of a rank-sliced checkpoint
         self._encoder = None
         self._moe_cache = None
         self._rank_layers: Optional[dict[str, Any]] = None  # this rank's layers of a rank-sliced checkpoint
+        self._stored_hf: Optional[set[str]] = None   # ``stored`` as the checkpoint names it (apply_vllm_mapper)
+        self._hf_modules: dict[str, str] = {}        # vLLM module name -> checkpoint name, where vLLM renames
 
     # ---- pickling: the encoder (cache handles, stats) is per process --------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -54,6 +57,7 @@ class Exl3VllmConfig(QuantizationConfig):
         state["_moe_cache"] = None
         state["_rank_layers"] = None
         state["moe_warmed"] = set()
+        state["linear_warmed"] = set()
         state.pop("_exl3rt_moe_scope", None)  # exl3rt.moe owner token: per process
         return state
 
@@ -116,6 +120,33 @@ class Exl3VllmConfig(QuantizationConfig):
             return mapper
         return mapper | WeightsMapper(orig_to_new_regex={RANK_SLICED_NAME: None})
 
+    def apply_vllm_mapper(self, hf_to_vllm_mapper: Any) -> None:
+        """The model renames its modules from the checkpoint's names (``hf_to_vllm_mapper``, e.g. ``model.`` ->
+        ``language_model.model.`` in multimodal wrappers): rename the stored EXL3 linears (and the rank-sliced
+        MoE layers) the same way, so that vLLM's layer prefixes find them. Idempotent: always maps the
+        checkpoint's own names (vLLM may call it more than once)."""
+        def rename(name: str) -> Optional[str]:
+            new = hf_to_vllm_mapper.map_name(name + ".trellis")
+            if new is None:
+                return None
+            return new[: -len(".trellis")] if new.endswith(".trellis") else new
+
+        if self.stored is not None:
+            if self._stored_hf is None:
+                self._stored_hf = set(self.stored)
+            renamed = {n: rename(n) for n in self._stored_hf}
+            self.stored = {r for r in renamed.values() if r is not None}
+            self._hf_modules = {r: n for n, r in renamed.items() if r is not None and r != n}
+        if self.rank_meta is not None:
+            for n in self.rank_meta.layers:
+                r = rename(n)
+                if r is not None and r != n:
+                    self._hf_modules[r] = n
+
+    def hf_name(self, prefix: str) -> str:
+        """The checkpoint's name of vLLM module ``prefix`` (itself unless :meth:`apply_vllm_mapper` renamed it)."""
+        return self._hf_modules.get(prefix, prefix)
+
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
         if isinstance(layer, RoutedExperts):
             if self.mode == "checkpoint":
@@ -171,7 +202,7 @@ class Exl3VllmConfig(QuantizationConfig):
         gated, _ = activation(_activation_name(moe), prefix)
         projs = GATED if gated else UNGATED
         moe_prefix = prefix[: -len(".experts")] if prefix.endswith(".experts") else None
-        if self.rank_meta is not None and moe_prefix in self.rank_meta.layers:
+        if self.rank_meta is not None and moe_prefix is not None and self.hf_name(moe_prefix) in self.rank_meta.layers:
             from ...moe.rank_checkpoint import RankCheckpointError
 
             if int(moe.tp_size) != self.rank_meta.tp_size:
@@ -205,7 +236,7 @@ class Exl3VllmConfig(QuantizationConfig):
             if self.model_dir is None:
                 raise RankCheckpointError(f"{prefix}: rank-sliced experts but no local checkpoint directory")
             self._rank_layers = load_rank_sliced(self.model_dir, rank, tp_size, device="cpu")
-        moe_prefix = prefix[: -len(".experts")]
+        moe_prefix = self.hf_name(prefix[: -len(".experts")])
         try:
             return self._rank_layers.pop(moe_prefix)
         except KeyError:

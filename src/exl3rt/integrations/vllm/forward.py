@@ -26,6 +26,13 @@ def exl3_apply(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] =
     return y
 
 
+def warm_layer_kernels(layer: nn.Module, dtype: torch.dtype, done: set) -> int:
+    """Prewarm the CUDA kernels of ``layer``'s EXL3 linears for activations of ``dtype``
+    (:meth:`Exl3Linear.prewarm`; each distinct :meth:`~Exl3Linear.kernel_key` once per ``done``), so that
+    vLLM's profile run and CUDA-graph capture find every specialization compiled. No-op off CUDA."""
+    return sum(m.prewarm(dtype, done) for m in getattr(layer, "exl3", ()))
+
+
 def exl3_head_apply(layer: nn.Module, x: torch.Tensor, width: int,
                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A vocab-parallel head: ``[..., hidden] -> [..., width]`` (``width`` = vLLM's rows per partition).
@@ -49,4 +56,4 @@ def exl3_head_apply(layer: nn.Module, x: torch.Tensor, width: int,
     return y
 
 
-__all__ = ["exl3_apply", "exl3_head_apply"]
+__all__ = ["exl3_apply", "exl3_head_apply", "warm_layer_kernels"]

@@ -20,7 +20,7 @@ from ...format.bits import Bits
 from ...runtime.linear import Exl3Linear
 from ._compat import LinearMethodBase, ModelWeightParameter, initialize_online_processing
 from .layout import plan_shards
-from .forward import exl3_apply
+from .forward import exl3_apply, warm_layer_kernels
 
 if TYPE_CHECKING:
     from .config import Exl3VllmConfig
@@ -65,6 +65,8 @@ class Exl3OnlineLinearMethod(LinearMethodBase):
                                  tp=None if spec.is_whole else (spec.tp_size, spec.tp_rank, spec.bounds))
             modules.append(Exl3Linear.from_encoded(enc, name=spec.name, dequant_cache=cfg.dequant_cache))
         layer.exl3 = nn.ModuleList(modules)
+        # compile every kernel specialization now: vLLM's profile run and CUDA-graph capture follow
+        warm_layer_kernels(layer, w.dtype, self.quant_config.linear_warmed)
         layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
         layer._already_called_process_weights_after_loading = True
         self.quant_config.note_layer(self.prefix, "online")
