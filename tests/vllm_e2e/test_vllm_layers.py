@@ -220,10 +220,12 @@ def _head_config(stored: set):
     return cfg
 
 
-@pytest.mark.parametrize("vocab,tp_size,rank", [(100, 1, 0), (500, 2, 0), (500, 2, 1)])
+@pytest.mark.parametrize("vocab,tp_size,rank", [(100, 1, 0), (500, 2, 0), (500, 2, 1), (300, 2, 0), (300, 2, 1),
+                                                (700, 4, 1), (700, 4, 3)])
 def test_head_rank_gets_its_vocab_rows_and_zero_padding(monkeypatch, vocab, tp_size, rank):
     """vocab 100 at TP 1: EXL3 rows padded to 128, vLLM's partition 128 wide (28 padding rows); vocab 500 at
-    TP 2: 256 rows per rank, rank 1 holds [256, 500) plus 12 padding rows."""
+    TP 2: 256 rows per rank, rank 1 holds [256, 500) plus 12 padding rows; splits inside 128-row blocks
+    (300 at TP 2: 160 rows per rank; 700 at TP 4: 176) serve the covering blocks and keep the rank's rows."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
     from exl3rt.integrations.vllm.checkpoint_method import Exl3CheckpointHeadMethod
 
@@ -237,7 +239,9 @@ def test_head_rank_gets_its_vocab_rows_and_zero_padding(monkeypatch, vocab, tp_s
     layer.quant_method.process_weights_after_loading(layer)
     idx = layer.shard_indices
     start, end, width = idx.org_vocab_start_index, idx.org_vocab_end_index, layer.num_embeddings_per_partition
-    assert layer.exl3[0].bits == 6 and layer.exl3[0].out_features == end - start and width >= end - start
+    lead = layer.exl3_keep[0]
+    assert layer.exl3[0].bits == 6 and layer.exl3_keep[1] == end - start and width >= end - start
+    assert (start - lead) % 128 == 0 and layer.exl3[0].out_features >= end - start + lead
     x = _x(256)
     w = reconstruct(stored["trellis"], stored["suh"], stored["svh"], "mcg")[:, :vocab]  # [hidden, vocab]
     got = layer.quant_method.apply(layer, x, bias=None)
@@ -246,13 +250,10 @@ def test_head_rank_gets_its_vocab_rows_and_zero_padding(monkeypatch, vocab, tp_s
     assert torch.equal(got[:, end - start:], torch.zeros(3, width - (end - start)))  # as vLLM's zero-filled rows
 
 
-def test_head_unaligned_split_error_and_bf16_head(monkeypatch):
+def test_head_bf16_in_an_exl3_checkpoint(monkeypatch):
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
-    from exl3rt.integrations.vllm.shards import ShardError
 
     _patch_tp_head(monkeypatch, 1, 2)  # vocab 300: padded 320, 160 rows per rank
-    with pytest.raises(ShardError, match=r"lm_head.*rank 1 output rows \[160, 300\) of 300.*--head-bits 16"):
-        ParallelLMHead(300, 256, quant_config=_head_config({"lm_head"}), prefix="lm_head", params_dtype=torch.float32)
     layer = ParallelLMHead(300, 256, quant_config=_head_config({"model.layers.0.mlp.down_proj"}), prefix="lm_head",
                            params_dtype=torch.float32)
     assert isinstance(layer.quant_method, UnquantizedEmbeddingMethod)  # a BF16 head in an EXL3 checkpoint

@@ -27,7 +27,7 @@ from ...runtime.linear import Exl3Linear
 from ._compat import LinearMethodBase, set_weight_attrs
 from .forward import exl3_apply, exl3_head_apply, warm_layer_kernels
 from .layout import plan_shards
-from .shards import HEAD_FIX, check_block_aligned, head_shard
+from .shards import HEAD_FIX, check_block_aligned, head_cover
 from .slicing import rank_piece
 
 if TYPE_CHECKING:
@@ -121,9 +121,9 @@ class Exl3CheckpointHeadMethod(Exl3CheckpointLinearMethod):
     """A stored EXL3 ``lm_head`` as vLLM's ``ParallelLMHead``: this rank's vocab rows, padded rows give logit 0.
 
     vLLM pads the vocab (to 64 by default) and splits the padded vocab evenly over TP ranks; rank r's real
-    rows are ``shard_indices.org_vocab_start_index .. org_vocab_end_index``. They are cut from the stored
-    codes on 128-row blocks (the last rank may end at the vocab's end, whatever its width); a split that
-    is not is refused when the layer is built, naming the range and the fix.
+    rows are ``shard_indices.org_vocab_start_index .. org_vocab_end_index``. The rank holds the stored codes
+    of the whole 128-row blocks covering them (:func:`~.shards.head_cover`; a split inside a block shares
+    that block with the neighbouring rank) and keeps its own rows of their logits.
     """
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
@@ -132,11 +132,14 @@ class Exl3CheckpointHeadMethod(Exl3CheckpointLinearMethod):
         if int(getattr(layer, "num_added_embeddings", 0)):
             raise FormatError(f"{self.prefix}: an EXL3 lm_head with added (LoRA) vocabulary rows is not supported; "
                               f"serve it without LoRA extra vocab, or re-quantize with --head-bits 16")
-        spec = head_shard(self.names[0], int(layer.org_vocab_size), int(input_size_per_partition),
-                          int(idx.org_vocab_start_index), int(idx.org_vocab_end_index),
-                          int(getattr(layer, "tp_size", 1)), int(getattr(layer, "tp_rank", 0)))
-        if spec is not None:
+        start, end = int(idx.org_vocab_start_index), int(idx.org_vocab_end_index)
+        cover = head_cover(self.names[0], int(layer.org_vocab_size), int(input_size_per_partition), start, end,
+                           int(getattr(layer, "tp_size", 1)), int(getattr(layer, "tp_rank", 0)))
+        spec = None
+        if cover is not None:
+            spec, lead = cover
             check_block_aligned(spec, self.prefix, fix=HEAD_FIX)
+            layer.exl3_keep = (lead, end - start)   # the rank's rows inside the covered 128-row blocks
         layer.exl3_width = int(sum(output_partition_sizes))
         layer.exl3_act_dtype = params_dtype
         self._placeholders(layer, [spec] if spec is not None else [])

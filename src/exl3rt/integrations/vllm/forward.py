@@ -46,6 +46,9 @@ def exl3_head_apply(layer: nn.Module, x: torch.Tensor, width: int,
         y = x.new_zeros(*x.shape[:-1], int(width))
     else:
         y = exl3_apply(layer, x)
+        keep = getattr(layer, "exl3_keep", None)     # (lead, rows): the rank's rows in its covered blocks
+        if keep is not None and (keep[0], keep[0] + keep[1]) != (0, y.shape[-1]):
+            y = y[..., keep[0]: keep[0] + keep[1]]
         if y.shape[-1] > width:
             raise RuntimeError(f"{getattr(layer, 'prefix', 'lm_head')}: the EXL3 head gives {y.shape[-1]} logits per "
                                f"token but vLLM's partition holds {width} rows")

@@ -138,10 +138,27 @@ def head_shard(name: str, vocab: int, hidden: int, start: int, end: int, tp_size
     return ShardSpec(name, None, 0, end - start, hidden, vocab, hidden, tp_size, tp_rank, b)
 
 
+def head_cover(name: str, vocab: int, hidden: int, start: int, end: int, tp_size: int,
+               tp_rank: int) -> Optional[tuple[ShardSpec, int]]:
+    """The stored head codes a rank serves its vocab rows ``[start, end)`` from, on any split: the whole
+    128-row blocks covering them (:func:`head_shard` widened to block bounds; the last block may end at
+    the vocab's end) and ``lead``, the rows of that piece before ``start``. The rank computes the covered
+    blocks and keeps ``[lead, lead + end − start)`` of their logits (at most two blocks of extra rows per
+    rank: a rank whose split starts or ends inside a block shares that block with its neighbour). None if
+    the rank holds no row."""
+    spec = head_shard(name, vocab, hidden, start, end, tp_size, tp_rank)
+    if spec is None or spec.is_whole:
+        return (spec, 0) if spec is not None else None
+    lo = int(start) // PAD * PAD
+    hi = min(-(-int(end) // PAD) * PAD, int(vocab))
+    b = _bounds((lo, hi), (0, int(hidden)), int(vocab), int(hidden))
+    return ShardSpec(name, None, 0, hi - lo, int(hidden), int(vocab), int(hidden), tp_size, tp_rank, b), int(start) - lo
+
+
 #: the advice of a misaligned head split (check_block_aligned's ``fix``)
 HEAD_FIX = (f"Use a tensor-parallel size that gives every rank a multiple of {PAD} vocab rows, or re-quantize "
             "with `exl3rt quantize ... --head-bits 16` (the head stays BF16; vLLM then splits it freely)")
 
 
 __all__ = ["ShardSpec", "ShardError", "WHOLE", "HEAD_FIX", "shard_names", "column_shards", "row_shard", "head_shard",
-           "check_block_aligned"]
+           "head_cover", "check_block_aligned"]
