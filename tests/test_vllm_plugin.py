@@ -539,3 +539,28 @@ def test_vllm_layers_warm_each_kernel_key_once(monkeypatch):
     assert warm_layer_kernels(o, torch.float16, done) == 3
     assert calls == [([(256, 256, 3, "mcg")], torch.bfloat16), ([(256, 128, 3, "mcg")], torch.bfloat16),
                      ([(256, 256, 3, "mcg")], torch.float16)]
+
+
+@pytest.mark.parametrize("bounds", [(0, 300, 160, 384), (128, 300, 0, 512), (64, 200, 200, 330), (0, 300, 0, 512)])
+def test_block_cover_pieces_give_the_rank_its_block_of_the_product(bounds):
+    """Any split (here rows/columns not on 128-blocks): the covering piece of the stored codes, fed the rank's
+    input zero-padded into its column window, gives — in its row window — exactly x_r · W[c0:c1, r0:r1]
+    (W the whole reconstruction, float64)."""
+    from exl3rt.format.encoded import EncodedLinear
+    from exl3rt.integrations.vllm.shards import ShardSpec, block_cover
+
+    full_out, full_in = 300, 512
+    r0, r1, c0, c1 = bounds
+    trellis, suh, svh = _random_codes(full_in, 384, k=4, seed=sum(bounds))
+    w = reconstruct(trellis, suh, svh, "mcg", dtype=torch.float64)[:, :full_out]      # [in, out]
+    spec = ShardSpec("x", None, 0, r1 - r0, c1 - c0, full_out, full_in, 2, 1, bounds)
+    cover, (o_lead, o_n), (i_lead, i_n) = block_cover(spec)
+    check_block_aligned(cover, "x")
+    assert (o_n, i_n) == (r1 - r0, c1 - c0) and o_lead < 128 and i_lead < 128
+    enc = EncodedLinear(trellis=rank_piece("trellis", trellis, cover), suh=rank_piece("suh", suh, cover),
+                        svh=rank_piece("svh", svh, cover), codebook="mcg", in_features=cover.in_features,
+                        out_features=cover.out_features)
+    x = torch.randn(3, c1 - c0, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    xp = torch.nn.functional.pad(x, (i_lead, cover.in_features - i_lead - i_n))
+    got = (xp @ enc.reconstruct(dtype=torch.float64))[:, o_lead: o_lead + o_n]
+    torch.testing.assert_close(got, x @ w[c0:c1, r0:r1], rtol=0, atol=1e-10)

@@ -89,14 +89,40 @@ def test_qkv_rank_slices_with_per_shard_bitrates_and_replicated_kv(monkeypatch, 
     torch.testing.assert_close(layer.quant_method.apply(layer, x), want, rtol=1e-5, atol=1e-4)
 
 
-def test_unaligned_tp_split_is_a_clear_error(monkeypatch):
-    from vllm.model_executor.layers.linear import RowParallelLinear
-    from exl3rt.integrations.vllm.shards import ShardError
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tp_splits_inside_128_blocks_serve_the_covering_blocks(monkeypatch, rank):
+    """TP 2 over 384 (three 128-blocks) gives each rank 192: not a valid EXL3 piece. The rank holds the covering
+    blocks: row-parallel (down_proj) zero-pads its 192 input columns into them and returns its partial sum
+    x_r · W[192r : 192r + 192]; column-parallel (gate/up) keeps its 192 output rows of each shard."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
-    _patch_tp(monkeypatch, 1, 2)
-    with pytest.raises(ShardError, match=r"down_proj.*\[192, 384\).*multiples of 128"):
-        RowParallelLinear(384, 256, bias=False, quant_config=_config(), prefix="model.layers.0.mlp.down_proj",
-                          params_dtype=torch.float32, reduce_results=False)
+    _patch_tp(monkeypatch, rank, 2)
+    down = RowParallelLinear(384, 256, bias=False, quant_config=_config(), prefix="model.layers.0.mlp.down_proj",
+                             params_dtype=torch.float32, reduce_results=False)
+    stored = _codes(384, 256, 4, 1)
+    for part, t in stored.items():
+        getattr(down, part).weight_loader(getattr(down, part), t)
+    down.quant_method.process_weights_after_loading(down)
+    assert down.exl3[0].in_features == 256 and down.exl3_windows[0][1] == (64 * rank, 192)
+    x = _x(192)
+    w = reconstruct(stored["trellis"], stored["suh"], stored["svh"], "mcg")   # [384, 256]
+    torch.testing.assert_close(down.quant_method.apply(down, x), x @ w[192 * rank: 192 * (rank + 1)],
+                               rtol=1e-5, atol=1e-4)
+
+    cfg = _config()
+    cfg.packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    gu = MergedColumnParallelLinear(256, [384, 384], bias=False, quant_config=cfg,
+                                    prefix="model.layers.0.mlp.gate_up_proj", params_dtype=torch.float32)
+    stored = {0: _codes(256, 384, 3, 2), 1: _codes(256, 384, 4, 3)}
+    for sid, parts in stored.items():
+        for part, t in parts.items():
+            getattr(gu, part).weight_loader(getattr(gu, part), t, sid)
+    gu.quant_method.process_weights_after_loading(gu)
+    assert [m.out_features for m in gu.exl3] == [256, 256] and [m.bits for m in gu.exl3] == [3, 4]
+    x = _x(256)
+    full = [reconstruct(p["trellis"], p["suh"], p["svh"], "mcg") for p in stored.values()]
+    want = torch.cat([x @ f[:, 192 * rank: 192 * (rank + 1)] for f in full], dim=-1)
+    torch.testing.assert_close(gu.quant_method.apply(gu, x), want, rtol=1e-5, atol=1e-4)
 
 
 # ---- pre-quantized MoE experts: the checkpoint fused-MoE method, TP rank r of N simulated -----------------------
@@ -239,8 +265,8 @@ def test_head_rank_gets_its_vocab_rows_and_zero_padding(monkeypatch, vocab, tp_s
     layer.quant_method.process_weights_after_loading(layer)
     idx = layer.shard_indices
     start, end, width = idx.org_vocab_start_index, idx.org_vocab_end_index, layer.num_embeddings_per_partition
-    lead = layer.exl3_keep[0]
-    assert layer.exl3[0].bits == 6 and layer.exl3_keep[1] == end - start and width >= end - start
+    (lead, rows), _ = layer.exl3_windows[0]
+    assert layer.exl3[0].bits == 6 and rows == end - start and width >= end - start
     assert (start - lead) % 128 == 0 and layer.exl3[0].out_features >= end - start + lead
     x = _x(256)
     w = reconstruct(stored["trellis"], stored["suh"], stored["svh"], "mcg")[:, :vocab]  # [hidden, vocab]

@@ -27,7 +27,7 @@ from ...runtime.linear import Exl3Linear
 from ._compat import LinearMethodBase, set_weight_attrs
 from .forward import exl3_apply, exl3_head_apply, warm_layer_kernels
 from .layout import plan_shards
-from .shards import HEAD_FIX, check_block_aligned, head_cover
+from .shards import HEAD_FIX, block_cover, check_block_aligned, head_cover
 from .slicing import rank_piece
 
 if TYPE_CHECKING:
@@ -50,10 +50,12 @@ class Exl3CheckpointLinearMethod(LinearMethodBase):
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
         shards = plan_shards(layer, self.prefix, self.names, input_size_per_partition, output_partition_sizes)
-        for spec in shards:
-            check_block_aligned(spec, self.prefix)
+        covers = [block_cover(spec) for spec in shards]   # splits inside a 128-block: the covering blocks
+        for cover, _, _ in covers:
+            check_block_aligned(cover, self.prefix)
+        layer.exl3_windows = [(out_w, in_w) for _, out_w, in_w in covers]
         layer.exl3_act_dtype = params_dtype
-        self._placeholders(layer, shards)
+        self._placeholders(layer, [cover for cover, _, _ in covers])
 
     def _placeholders(self, layer: nn.Module, shards: list) -> None:
         layer.exl3_shards = shards
@@ -139,7 +141,8 @@ class Exl3CheckpointHeadMethod(Exl3CheckpointLinearMethod):
         if cover is not None:
             spec, lead = cover
             check_block_aligned(spec, self.prefix, fix=HEAD_FIX)
-            layer.exl3_keep = (lead, end - start)   # the rank's rows inside the covered 128-row blocks
+            # the rank's rows inside the covered 128-row blocks; all input columns
+            layer.exl3_windows = [((lead, end - start), (0, int(input_size_per_partition)))]
         layer.exl3_width = int(sum(output_partition_sizes))
         layer.exl3_act_dtype = params_dtype
         self._placeholders(layer, [spec] if spec is not None else [])

@@ -19,7 +19,20 @@ def exl3_apply(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] =
     if mods is None:
         raise RuntimeError(f"{getattr(layer, 'prefix', type(layer).__name__)}: EXL3 layer used before its weights were "
                            f"processed (process_weights_after_loading did not run)")
-    outs = [m(x) for m in mods]
+    windows = getattr(layer, "exl3_windows", None)   # per module: (out lead, width), (in lead, width)
+    outs = []
+    for j, m in enumerate(mods):
+        if windows is None:
+            outs.append(m(x))
+            continue
+        (o_lead, o_n), (i_lead, i_n) = windows[j]
+        xm = x
+        if (i_lead, i_n) != (0, m.in_features):     # the rank's input columns inside the covered 128-blocks
+            xm = torch.nn.functional.pad(x, (i_lead, m.in_features - i_lead - i_n))
+        y = m(xm)
+        if (o_lead, o_n) != (0, m.out_features):    # the rank's output rows inside the covered 128-blocks
+            y = y[..., o_lead: o_lead + o_n]
+        outs.append(y)
     y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
     if bias is not None:
         y = y + bias.to(y.dtype)
@@ -46,9 +59,6 @@ def exl3_head_apply(layer: nn.Module, x: torch.Tensor, width: int,
         y = x.new_zeros(*x.shape[:-1], int(width))
     else:
         y = exl3_apply(layer, x)
-        keep = getattr(layer, "exl3_keep", None)     # (lead, rows): the rank's rows in its covered blocks
-        if keep is not None and (keep[0], keep[0] + keep[1]) != (0, y.shape[-1]):
-            y = y[..., keep[0]: keep[0] + keep[1]]
         if y.shape[-1] > width:
             raise RuntimeError(f"{getattr(layer, 'prefix', 'lm_head')}: the EXL3 head gives {y.shape[-1]} logits per "
                                f"token but vLLM's partition holds {width} rows")

@@ -18,6 +18,10 @@ Layouts (``rank`` = the layer's tp rank, ``w`` = rank-local width):
   ``r = rank`` (``rank // kv_head_replicas`` for k/v when kv heads are replicated), all input columns;
 - row-parallel: all output rows, input columns ``[rank·w_in, (rank+1)·w_in)``;
 - replicated: the whole matrix.
+
+Pre-quantized codes can only be cut on 128-blocks; :func:`block_cover` widens a rank's share to the
+blocks covering it and gives the windows of its own rows/columns inside them (the forward zero-pads the
+input into the column window and keeps the row window).
 """
 
 from __future__ import annotations
@@ -118,6 +122,27 @@ def check_block_aligned(spec: ShardSpec, layer: str, *, fix: Optional[str] = Non
                 f"(its Hadamard block). {advice}")
 
 
+def block_cover(spec: ShardSpec) -> tuple[ShardSpec, tuple[int, int], tuple[int, int]]:
+    """The piece of a stored EXL3 matrix that serves ``spec`` on any split: its bounds widened to whole
+    128-blocks (the Hadamard block: an EXL3 matrix can only be cut there; a piece may end at the matrix's
+    logical end), and the windows ``(lead, width)`` of the rank's own output rows and input columns inside
+    that piece. The rank zero-pads its input to the piece's columns (the rows of W it does not own then add
+    nothing to its partial sum) and keeps its window of the output — at most two blocks of extra rows or
+    columns per split dimension, shared with the neighbouring ranks."""
+    if spec.is_whole:
+        return spec, (0, spec.out_features), (0, spec.in_features)
+    r0, r1, c0, c1 = spec.bounds
+
+    def widen(lo: int, hi: int, full: int) -> tuple[int, int]:
+        return lo // PAD * PAD, (hi if hi == full else min(-(-hi // PAD) * PAD, full))
+
+    w0, w1 = widen(r0, r1, spec.full_out)
+    v0, v1 = widen(c0, c1, spec.full_in)
+    cover = dataclasses.replace(spec, out_features=w1 - w0, in_features=v1 - v0,
+                                bounds=_bounds((w0, w1), (v0, v1), spec.full_out, spec.full_in))
+    return cover, (r0 - w0, r1 - r0), (c0 - v0, c1 - c0)
+
+
 def head_shard(name: str, vocab: int, hidden: int, start: int, end: int, tp_size: int,
                tp_rank: int) -> Optional[ShardSpec]:
     """The EXL3 matrix of a vocab-parallel head (``ParallelLMHead``) on one rank, or None if the rank holds no row.
@@ -140,19 +165,14 @@ def head_shard(name: str, vocab: int, hidden: int, start: int, end: int, tp_size
 
 def head_cover(name: str, vocab: int, hidden: int, start: int, end: int, tp_size: int,
                tp_rank: int) -> Optional[tuple[ShardSpec, int]]:
-    """The stored head codes a rank serves its vocab rows ``[start, end)`` from, on any split: the whole
-    128-row blocks covering them (:func:`head_shard` widened to block bounds; the last block may end at
-    the vocab's end) and ``lead``, the rows of that piece before ``start``. The rank computes the covered
-    blocks and keeps ``[lead, lead + end − start)`` of their logits (at most two blocks of extra rows per
-    rank: a rank whose split starts or ends inside a block shares that block with its neighbour). None if
-    the rank holds no row."""
+    """The stored head codes a rank serves its vocab rows ``[start, end)`` from, on any split
+    (:func:`block_cover` of :func:`head_shard`) and ``lead``, the rows of that piece before ``start``;
+    None if the rank holds no row."""
     spec = head_shard(name, vocab, hidden, start, end, tp_size, tp_rank)
-    if spec is None or spec.is_whole:
-        return (spec, 0) if spec is not None else None
-    lo = int(start) // PAD * PAD
-    hi = min(-(-int(end) // PAD) * PAD, int(vocab))
-    b = _bounds((lo, hi), (0, int(hidden)), int(vocab), int(hidden))
-    return ShardSpec(name, None, 0, hi - lo, int(hidden), int(vocab), int(hidden), tp_size, tp_rank, b), int(start) - lo
+    if spec is None:
+        return None
+    cover, (lead, _), _ = block_cover(spec)
+    return cover, lead
 
 
 #: the advice of a misaligned head split (check_block_aligned's ``fix``)
@@ -161,4 +181,4 @@ HEAD_FIX = (f"Use a tensor-parallel size that gives every rank a multiple of {PA
 
 
 __all__ = ["ShardSpec", "ShardError", "WHOLE", "HEAD_FIX", "shard_names", "column_shards", "row_shard", "head_shard",
-           "head_cover", "check_block_aligned"]
+           "head_cover", "block_cover", "check_block_aligned"]
