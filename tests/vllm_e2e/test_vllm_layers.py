@@ -47,17 +47,24 @@ def _x(n: int) -> torch.Tensor:
     return torch.randn(3, n, generator=torch.Generator().manual_seed(9)).to(torch.float32)
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_row_parallel_rank_gets_its_input_blocks(monkeypatch, rank):
+def _row_parallel(cfg, in_f: int, out_f: int, k: int, seed: int, prefix: str = "model.layers.0.mlp.down_proj"):
+    """A real vLLM RowParallelLinear of this (simulated) rank with the plugin, loaded from random stored codes
+    of the whole [in_f, out_f] matrix, weights processed; returns it and the stored tensors."""
     from vllm.model_executor.layers.linear import RowParallelLinear
 
-    _patch_tp(monkeypatch, rank, 2)
-    layer = RowParallelLinear(512, 256, bias=False, quant_config=_config(), prefix="model.layers.0.mlp.down_proj",
-                              params_dtype=torch.float32, reduce_results=False)
-    stored = _codes(512, 256, 4, 1)
+    layer = RowParallelLinear(in_f, out_f, bias=False, quant_config=cfg, prefix=prefix, params_dtype=torch.float32,
+                              reduce_results=False)
+    stored = _codes(in_f, out_f, k, seed)
     for part, t in stored.items():
         getattr(layer, part).weight_loader(getattr(layer, part), t)
     layer.quant_method.process_weights_after_loading(layer)
+    return layer, stored
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_row_parallel_rank_gets_its_input_blocks(monkeypatch, rank):
+    _patch_tp(monkeypatch, rank, 2)
+    layer, stored = _row_parallel(_config(), 512, 256, 4, 1)
     assert layer.exl3[0].bits == 4 and layer.exl3[0].in_features == 256
     x = _x(256)
     w = reconstruct(stored["trellis"], stored["suh"], stored["svh"], "mcg")  # [512, 256]
@@ -94,15 +101,10 @@ def test_tp_splits_inside_128_blocks_serve_the_covering_blocks(monkeypatch, rank
     """TP 2 over 384 (three 128-blocks) gives each rank 192: not a valid EXL3 piece. The rank holds the covering
     blocks: row-parallel (down_proj) zero-pads its 192 input columns into them and returns its partial sum
     x_r · W[192r : 192r + 192]; column-parallel (gate/up) keeps its 192 output rows of each shard."""
-    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 
     _patch_tp(monkeypatch, rank, 2)
-    down = RowParallelLinear(384, 256, bias=False, quant_config=_config(), prefix="model.layers.0.mlp.down_proj",
-                             params_dtype=torch.float32, reduce_results=False)
-    stored = _codes(384, 256, 4, 1)
-    for part, t in stored.items():
-        getattr(down, part).weight_loader(getattr(down, part), t)
-    down.quant_method.process_weights_after_loading(down)
+    down, stored = _row_parallel(_config(), 384, 256, 4, 1)
     assert down.exl3[0].in_features == 256 and down.exl3_windows[0][1] == (64 * rank, 192)
     x = _x(192)
     w = reconstruct(stored["trellis"], stored["suh"], stored["svh"], "mcg")   # [384, 256]
@@ -304,12 +306,8 @@ def test_hf_to_vllm_mapper_renames_the_stored_linears(monkeypatch):
         cfg.apply_vllm_mapper(mapper)
         assert cfg.stored == {prefix, "lm_head"}
     assert cfg.hf_name(prefix) == "model.layers.0.mlp.down_proj" and cfg.hf_name("lm_head") == "lm_head"
-    layer = RowParallelLinear(256, 128, bias=False, quant_config=cfg, prefix=prefix, params_dtype=torch.float32)
+    layer, stored = _row_parallel(cfg, 256, 128, 3, 4, prefix)
     assert isinstance(layer.quant_method, Exl3CheckpointLinearMethod)
-    stored = _codes(256, 128, 3, 4)
-    for part, t in stored.items():
-        getattr(layer, part).weight_loader(getattr(layer, part), t)
-    layer.quant_method.process_weights_after_loading(layer)
     x = _x(256)
     w = reconstruct(stored["trellis"], stored["suh"], stored["svh"], "mcg")
     torch.testing.assert_close(layer.quant_method.apply(layer, x), x @ w, rtol=1e-5, atol=1e-4)
