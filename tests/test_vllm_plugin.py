@@ -185,8 +185,9 @@ def test_expert_slice_bounds_keys_and_block_errors():
     assert sl.tp("down_proj") == (3, 2, (0, 128, 512, 768))             # columns of the HF [H, I] weight
     odd = expert_slice("m.experts", 128, 768, 4, 1)                     # 192 per rank: online encodes it
     assert (odd.i0, odd.i1) == (192, 384) and not odd.block_aligned
-    with pytest.raises(ShardError, match=r"rank 1 expert intermediate columns \[192, 384\).*multiples of 128"):
-        expert_slice("m.experts", 128, 768, 4, 1, require_blocks=True)
+    assert odd.cover is None and (odd.served, odd.width) == ((192, 384), 192)
+    cov = expert_slice("m.experts", 128, 768, 4, 1, require_blocks=True)   # pre-quantized: the covering blocks
+    assert (cov.i0, cov.i1, cov.cover, cov.width, cov.local) == (192, 384, (128, 384), 256, 192)
     with pytest.raises(ShardError, match="does not split evenly over 5"):
         expert_slice("m.experts", 128, 768, 5, 0)
 
@@ -344,11 +345,12 @@ def _collect(prefix: str, stored: list, sl):
     return col
 
 
-@pytest.mark.parametrize("tp_size", [1, 2, 3])
+@pytest.mark.parametrize("tp_size", [1, 2, 3, 4])
 def test_stored_experts_rank_slices_equal_the_hand_sliced_reconstruction(tp_size):
     """Experts at K 2/3/4 (different trellis widths), loaded tensor by tensor as vLLM's expert loader hands
     them over: each rank's matrices are the 128-block slice of the full reconstruction (gate/up: output
-    columns [i0, i1), down: input rows [i0, i1)), and their K is the stored one."""
+    columns [c0, c1), down: input rows [c0, c1)), and their K is the stored one. At TP 4 (192 columns per
+    rank) [c0, c1) covers the rank's [i0, i1) with whole blocks and down's rows outside [i0, i1) are zero."""
     from exl3rt.integrations.vllm.experts import expert_slice
 
     h, i, ks = 128, 768, (3, 2, 4)
@@ -362,11 +364,15 @@ def test_stored_experts_rank_slices_equal_the_hand_sliced_reconstruction(tp_size
                 assert got.bits == ks[e] and got.codebook == "mcg"
                 assert got.name == f"model.layers.0.mlp.experts.{e}.{p}"
                 full = reconstruct(fields["trellis"], fields["suh"], fields["svh"], "mcg")   # [in, out]
-                want = full[sl.i0:sl.i1] if p == "down_proj" else full[:, sl.i0:sl.i1]
+                c0, c1 = sl.served
+                want = full[c0:c1].clone() if p == "down_proj" else full[:, c0:c1]
+                if p == "down_proj":
+                    want[: sl.i0 - c0] = 0
+                    want[sl.i1 - c0:] = 0
                 assert (got.in_features, got.out_features) == tuple(want.shape)
                 # float rounding of the Hadamards differs with the width: equal to fp32 noise, not bit for bit
                 torch.testing.assert_close(got.reconstruct(), want, rtol=1e-4, atol=1e-5)
-                t0, t1 = sl.i0 // 16, sl.i1 // 16   # and the codes are the stored tile sub-block, nothing re-encoded
+                t0, t1 = c0 // 16, c1 // 16   # and the codes are the stored tile sub-block, nothing re-encoded
                 sub = fields["trellis"][t0:t1] if p == "down_proj" else fields["trellis"][:, t0:t1]
                 assert torch.equal(got.trellis, sub)
 
@@ -388,10 +394,8 @@ def test_stored_experts_errors_name_the_tensor_and_the_fix():
         col.add(5, "up_proj", "bias", torch.zeros(256))
     with pytest.raises(FormatError, match=r"experts\.1\.up_proj\.bias: not an EXL3 tensor"):
         col.add(1, "up_proj", "bias", torch.zeros(256))
-    # 256 columns over 4 ranks is 64 each: not a 128-block cut, refused before any code is loaded
-    with pytest.raises(ShardError, match=r"model\.layers\.2\.mlp\.experts: tensor parallelism 4 gives rank 1 expert "
-                                         r"intermediate columns \[64, 128\) of 256.*multiples of 128.*online EXL3"):
-        expert_slice("model.layers.2.mlp.experts", 128, 256, 4, 1, require_blocks=True)
+    # 256 columns over 4 ranks is 64 each: not a 128-block cut; the rank serves the covering block
+    assert expert_slice("model.layers.2.mlp.experts", 128, 256, 4, 1, require_blocks=True).cover == (0, 128)
 
 
 def test_rank_sliced_checkpoint_gives_the_same_codes_as_slicing_stored_experts(tmp_path):

@@ -209,15 +209,31 @@ def test_checkpoint_moe_method_rank_slices_sum_to_the_whole_layer():
     torch.testing.assert_close(total, _moe_truth(stored, x, ids, w), rtol=2e-4, atol=2e-4)
 
 
-def test_checkpoint_moe_misaligned_split_and_rank_sliced_tp_mismatch_are_clear_errors():
+def test_checkpoint_moe_split_inside_128_blocks_serves_the_covering_blocks():
+    """I = 384 over TP 2: 192 intermediate columns per rank, not a valid EXL3 piece. Each rank holds the 256
+    covering columns of every expert (gate/up rows, down columns), the down scales of the columns it does not
+    own zeroed: its partial sum is the float64 truth of its own 192 columns, and the ranks sum to the layer."""
+    stored = _stored_moe(3, 128, 384, (4, 3, 4))
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 128, generator=g)
+    ids = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(5)]).to(torch.int32)
+    w = torch.softmax(torch.randn(5, 2, generator=g), -1)
+    total = torch.zeros(5, 128, dtype=torch.float64)
+    for rank in range(2):
+        method, layer = _checkpoint_moe_layer(_config(), _moe(2, rank, inter=384), stored)
+        assert layer.exl3_slice.cover == ((0, 256) if rank == 0 else (128, 384))
+        assert {m.in_features for d in layer.exl3_experts for m in [d["down_proj"]]} == {256}
+        y = method.apply(layer, x, w, ids).double()
+        torch.testing.assert_close(y, _moe_truth(stored, x, ids, w, 192 * rank, 192 * (rank + 1)), rtol=2e-4, atol=2e-4)
+        total += y
+    torch.testing.assert_close(total, _moe_truth(stored, x, ids, w), rtol=2e-4, atol=2e-4)
+
+
+def test_checkpoint_moe_rank_sliced_tp_mismatch_is_a_clear_error():
     from types import SimpleNamespace
 
-    from exl3rt.integrations.vllm.shards import ShardError
     from exl3rt.moe.rank_checkpoint import LayerMeta, RankCheckpointError, RankMetadata
 
-    with pytest.raises(ShardError, match=r"model\.layers\.0\.mlp\.experts: tensor parallelism 2 gives rank 1 expert "
-                                         r"intermediate columns \[192, 384\) of 384.*multiples of 128"):
-        _checkpoint_moe_layer(_config(), _moe(2, 1, inter=384), _stored_moe(3, 128, 384, (4, 4, 4)))
     cfg = _config()
     cfg.rank_meta = RankMetadata(2, "per_expert", {"model.layers.0.mlp": LayerMeta(3, 128, 256, True, (4,) * 3,
                                                                                    ("mcg",) * 3)})

@@ -15,7 +15,8 @@ the key, as for dense layers).
 
 Pre-quantized experts (checkpoint mode) arrive as stored codes under the same names
 (``<experts>.{e}.{proj}.trellis/suh/svh/mcg|mul1``): :class:`StoredExperts` keeps this rank's piece of
-each (:func:`expert_piece`, 128-block cuts only, nothing re-encoded) in a dict per expert, so experts
+each (:func:`expert_piece`, 128-block cuts only — a split inside a block keeps the covering blocks, down's
+scales zeroed outside the rank's columns —, nothing re-encoded) in a dict per expert, so experts
 may differ in K; :func:`rank_layer_experts` takes a rank-sliced checkpoint's layer instead.
 
 The layer runs through an :class:`~exl3rt.moe.MoELayerRuntime` (tiers from the codes, decode/prefill
@@ -97,10 +98,25 @@ class ExpertSlice:
     i1: int
     tp_size: int = 1
     tp_rank: int = 0
+    #: the intermediate columns this rank's stored pieces span (pre-quantized codes are cut on whole 128-blocks:
+    #: a split inside a block serves the covering blocks, the columns outside [i0, i1) zeroed in down's suh);
+    #: None: [i0, i1) itself
+    cover: Optional[tuple[int, int]] = None
 
     @property
     def local(self) -> int:
         return self.i1 - self.i0
+
+    @property
+    def served(self) -> tuple[int, int]:
+        """The intermediate columns the rank's expert matrices span: ``cover``, or ``[i0, i1)``."""
+        return self.cover if self.cover is not None else (self.i0, self.i1)
+
+    @property
+    def width(self) -> int:
+        """The intermediate width of the rank's expert matrices (``local`` unless covered)."""
+        c0, c1 = self.served
+        return c1 - c0
 
     @property
     def is_whole(self) -> bool:
@@ -127,9 +143,10 @@ def expert_slice(layer: str, hidden: int, intermediate: int, tp_size: int, tp_ra
                  require_blocks: bool = False) -> ExpertSlice:
     """The slice vLLM's expert weight loader gives rank ``tp_rank`` (``I/tp`` columns each).
 
-    ``require_blocks``: refuse a split that is not on 128-column blocks (pre-quantized experts, whose
-    codes can only be cut there; then the slice equals :func:`exl3rt.moe.rank_bounds`). Online
-    encoding encodes each rank's slice on its own and accepts any split.
+    ``require_blocks`` (pre-quantized experts, whose codes can only be cut on 128-column blocks): a split
+    inside a block gets ``cover``, the whole blocks covering ``[i0, i1)`` (:attr:`ExpertSlice.cover`); an
+    aligned one equals :func:`exl3rt.moe.rank_bounds`. Online encoding encodes each rank's slice on its
+    own and accepts any split.
     """
     hidden, intermediate, tp_size, tp_rank = int(hidden), int(intermediate), int(tp_size), int(tp_rank)
     if tp_size <= 1:
@@ -141,11 +158,9 @@ def expert_slice(layer: str, hidden: int, intermediate: int, tp_size: int, tp_ra
     sl = ExpertSlice(hidden, intermediate, per * tp_rank, per * (tp_rank + 1), tp_size, tp_rank)
     if require_blocks:
         if not sl.block_aligned:
-            raise ShardError(
-                f"{layer}: tensor parallelism {tp_size} gives rank {tp_rank} expert intermediate columns "
-                f"[{sl.i0}, {sl.i1}) of {intermediate}; EXL3 experts can only be split on multiples of "
-                f"{HAD_BLOCK} (the Hadamard block). Use a tensor-parallel size with intermediate/tp a multiple "
-                f"of {HAD_BLOCK}, or serve the BF16 checkpoint with online EXL3")
+            c0 = sl.i0 // HAD_BLOCK * HAD_BLOCK
+            c1 = min(-(-sl.i1 // HAD_BLOCK) * HAD_BLOCK, intermediate)
+            return dataclasses.replace(sl, cover=(c0, c1))
         assert (sl.i0, sl.i1) == rank_bounds(intermediate, tp_size, tp_rank)
     return sl
 
@@ -164,11 +179,12 @@ def expert_spec(sl: ExpertSlice, name: str, proj: str) -> ShardSpec:
     gate/up (``H -> I``) keep output rows ``[i0, i1)``; down (``I -> H``) keeps input columns ``[i0, i1)``.
     """
     h, i = sl.hidden, sl.intermediate
+    c0, c1 = sl.served
     if proj == "down_proj":
-        bounds = (0, 0, 0, 0) if sl.is_whole else (0, h, sl.i0, sl.i1)
-        return ShardSpec(name, "w2", 0, h, sl.local, h, i, sl.tp_size, sl.tp_rank, bounds)
-    bounds = (0, 0, 0, 0) if sl.is_whole else (sl.i0, sl.i1, 0, h)
-    return ShardSpec(name, proj, 0, sl.local, h, i, h, sl.tp_size, sl.tp_rank, bounds)
+        bounds = (0, 0, 0, 0) if sl.is_whole else (0, h, c0, c1)
+        return ShardSpec(name, "w2", 0, h, sl.width, h, i, sl.tp_size, sl.tp_rank, bounds)
+    bounds = (0, 0, 0, 0) if sl.is_whole else (c0, c1, 0, h)
+    return ShardSpec(name, proj, 0, sl.width, h, i, h, sl.tp_size, sl.tp_rank, bounds)
 
 
 def expert_piece(field: str, tensor: torch.Tensor, sl: ExpertSlice, name: str, proj: str) -> tuple[str, torch.Tensor]:
@@ -181,7 +197,15 @@ def expert_piece(field: str, tensor: torch.Tensor, sl: ExpertSlice, name: str, p
         raise FormatError(f"{name}.{field}: not an EXL3 tensor the exl3 plugin loads for MoE experts (expected "
                           f"{', '.join(FIELDS)}); remove it from the checkpoint")
     out = {"su": "suh", "sv": "svh"}.get(field, field)
-    return out, rank_piece(field, tensor, expert_spec(sl, name, proj))
+    piece = rank_piece(field, tensor, expert_spec(sl, name, proj))
+    if sl.cover is not None and proj == "down_proj" and out == "suh":
+        # the covering blocks' columns this rank does not own: zero input scales zero those rows of W_down,
+        # so they add nothing to the rank's partial sum (vLLM all-reduces the ranks' partial sums)
+        lo, n = sl.i0 - sl.cover[0], sl.local
+        keep = torch.zeros_like(piece)
+        keep[lo: lo + n] = piece[lo: lo + n]
+        piece = keep
+    return out, piece
 
 
 class StoredExperts:

@@ -89,7 +89,7 @@ class Exl3MoEMethodBase(FusedMoEMethodBase):
         experts = [VllmExpert(dict(ex), self.act_name, layer=self.prefix, expert=e) for e, ex in enumerate(linears)]
         layer.exl3_experts = nn.ModuleList([nn.ModuleDict(dict(ex)) for ex in linears])
         moe = self.moe
-        runner = Exl3VllmMoE(self.prefix, experts, hidden=sl.hidden, intermediate=sl.local,
+        runner = Exl3VllmMoE(self.prefix, experts, hidden=sl.hidden, intermediate=sl.width,
                              top_k=int(moe.experts_per_token), settings=cfg.moe_settings(int(moe.max_num_tokens)),
                              cache=cfg.moe_cache(), owner=cfg.moe_owner(self.prefix),
                              moe_runtime=cfg.moe_runtime, warmed=cfg.moe_warmed)
