@@ -253,6 +253,10 @@ if HAVE_TRITON:
         ``SWAP`` (at most 8 rows, not with KSPLIT or MB > 1): the decoded tile is the mma's *A* operand
         (Qᵀ, 16 × 16: the lane's registers p01, p45, p23, p67 are exactly its A fragment) and x'ᵀ the B
         operand (16 × 8): one ``mma.m16n8k16`` per tile instead of two, 4 accumulators instead of 8.
+
+        ``XFRAG``: x' is stored in fragment order (``hadamard.xfrag_offsets``, rows padded with zeros to whole
+        row blocks; ``stride_x`` is then int32 words per row block): one vector load per lane, k-tile and row
+        block. ``UNROLL`` (1 or 2): k-tiles per warp and loop iteration (``default_unroll``).
         """
         RB: tl.constexpr = 8 if SWAP else 16                       # rows per row block
         NW: tl.constexpr = 8 * KA + 4 * HALF                      # words per tile
