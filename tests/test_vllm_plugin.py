@@ -435,11 +435,11 @@ def _vllm_vocab_rows(vocab: int, tp_size: int, rank: int, pad_to: int = 64) -> t
 
 @pytest.mark.parametrize("vocab,tp_size", [(300, 1), (500, 2), (1000, 4), (512, 2), (300, 2), (700, 4)])
 def test_head_rank_pieces_equal_the_hand_sliced_reconstruction(vocab, tp_size):
-    """Each rank's piece (the 128-row blocks covering its vocab rows, :func:`head_cover`), trimmed to its rows,
+    """Each rank's piece (the 128-row blocks covering its vocab rows, :func:`block_cover`), trimmed to its rows,
     equals those rows of the whole head; the ranks together give the whole head. Splits on 128 rows
     (500/2, 1000/4, 512/2) and inside blocks (300/2: 160 rows per rank; 700/4: 176)."""
     from exl3rt.format.encoded import EncodedLinear, padded_width
-    from exl3rt.integrations.vllm.shards import HEAD_FIX, head_cover
+    from exl3rt.integrations.vllm.shards import block_cover, head_shard
 
     hidden = 256
     trellis, suh, svh = _random_codes(hidden, padded_width(vocab), k=6, seed=vocab)
@@ -447,8 +447,9 @@ def test_head_rank_pieces_equal_the_hand_sliced_reconstruction(vocab, tp_size):
     got = []
     for rank in range(tp_size):
         start, end, per = _vllm_vocab_rows(vocab, tp_size, rank)
-        spec, lead = head_cover("lm_head", vocab, hidden, start, end, tp_size, rank)
-        check_block_aligned(spec, "lm_head", fix=HEAD_FIX)
+        spec, (lead, rows), (i_lead, cols) = block_cover(head_shard("lm_head", vocab, hidden, start, end, tp_size, rank))
+        check_block_aligned(spec, "lm_head")
+        assert rows == end - start and (i_lead, cols) == (0, hidden)
         r0, r1 = (0, vocab) if spec.is_whole else spec.bounds[:2]
         assert r0 % 128 == 0 and (r1 % 128 == 0 or r1 == vocab) and r0 <= start < end <= r1 and lead == start - r0
         assert r1 - r0 - (end - start) < 256 and (spec.is_whole == (tp_size == 1))
@@ -462,16 +463,15 @@ def test_head_rank_pieces_equal_the_hand_sliced_reconstruction(vocab, tp_size):
 
 
 def test_head_misaligned_split_and_empty_rank():
-    from exl3rt.integrations.vllm.shards import HEAD_FIX, head_cover, head_shard
+    from exl3rt.integrations.vllm.shards import block_cover, head_shard
 
     start, end, _ = _vllm_vocab_rows(300, 2, 1)  # padded 320, 160 rows per rank
     spec = head_shard("lm_head", 300, 256, start, end, 2, 1)
-    with pytest.raises(ShardError, match=r"lm_head.*rank 1 output rows \[160, 300\) of 300.*--head-bits 16"):
-        check_block_aligned(spec, "lm_head", fix=HEAD_FIX)   # the exact rows are not a valid piece ...
-    cover, lead = head_cover("lm_head", 300, 256, start, end, 2, 1)
-    assert cover.bounds == (128, 300, 0, 256) and lead == 32   # ... the covering blocks are
+    with pytest.raises(ShardError, match=r"lm_head.*rank 1 output rows \[160, 300\) of 300.*multiples of 128"):
+        check_block_aligned(spec, "lm_head")   # the exact rows are not a valid piece ...
+    cover, (lead, rows), _ = block_cover(spec)
+    assert cover.bounds == (128, 300, 0, 256) and (lead, rows) == (32, 140)   # ... the covering blocks are
     assert head_shard("lm_head", 300, 256, 300, 300, 4, 3) is None  # a rank past the vocab holds no row
-    assert head_cover("lm_head", 300, 256, 300, 300, 4, 3) is None
     with pytest.raises(ShardError, match=r"lm_head: rank 1 of 2 would hold vocab rows \[256, 400\) of a 300-row"):
         head_shard("lm_head", 300, 256, 256, 400, 2, 1)
     # a linear ending at its logical end is fine; one ending mid-block is not

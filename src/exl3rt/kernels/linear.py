@@ -259,7 +259,8 @@ def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Opt
     if cfg.swap and (cfg.ksplit or cfg.row_blocks != 1):
         raise ValueError(f"{cfg}: swap takes neither ksplit nor row_blocks")
     n_blocks, m_blocks = tn // nt, triton.cdiv(rows, (8 if cfg.swap else 16) * cfg.row_blocks)
-    unroll = cfg.unroll or _mm.default_unroll(bits_from_trellis(trellis), cfg.ksplit)
+    bits = ka + half / 2
+    unroll = cfg.unroll or _mm.default_unroll(bits, cfg.ksplit)
     splits, k_per = gemv_splits(in_tiles, n_blocks * m_blocks, cfg.target_programs,
                                 k_multiple=unroll * (warps if cfg.ksplit else 1))
     z = torch.empty((splits, rows, tn * 16), dtype=torch.float32, device=xh.device)
@@ -267,7 +268,7 @@ def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Opt
     stride_x = in_p * (4 if cfg.swap else 8) if xfrag else xh.stride(0)     # int32 per row block / fp16 per row
     _mm._mma_kernel[grid](xh, trellis.view(torch.int32), z, rows, in_tiles, tn, k_per, stride_x, z.stride(0), 1,
                           KA=ka, HALF=half, CB=cb, MULT=mult, ADD=add, NT=nt_warp, WARPS=warps,
-                          NWL=_mm.words_per_lane(bits_from_trellis(trellis)), ASM=_use_asm(xh.device),
+                          NWL=_mm.words_per_lane(bits), ASM=_use_asm(xh.device),
                           KSPLIT=cfg.ksplit, MB=cfg.row_blocks, SWAP=cfg.swap, UNROLL=unroll, XFRAG=xfrag,
                           num_warps=warps,
                           num_stages=cfg.num_stages, **_pdl_args(xh.device))

@@ -63,6 +63,12 @@ if HAVE_TRITON:
         return lane_decode_ptx(ka, half, cb, mult, add)[0]
 
     @constexpr_function
+    def _unroll_for(ka, half):
+        """:func:`default_unroll` of kernel K arguments (``KA``, ``HALF``), without k-split warps."""
+        from . import mma
+        return mma.default_unroll(ka + half / 2)
+
+    @constexpr_function
     def _ptx_constraints(ka, half, cb, mult, add):
         from .lane_decode import lane_decode_ptx
         return lane_decode_ptx(ka, half, cb, mult, add)[1]

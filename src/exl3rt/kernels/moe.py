@@ -44,7 +44,7 @@ from .linear import _cb_args, _kernel_bits, _use_asm, gemv_splits
 MAX_TIERS = 4
 
 if HAVE_TRITON:
-    from .mma import _mma_pass
+    from .mma import _mma_pass, _unroll_for
 
     @triton.jit
     def _tier_pass(x_ptr, w_ptr, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
@@ -55,7 +55,7 @@ if HAVE_TRITON:
         ``w_ptr``."""
         estride = k_tiles * n_tiles * (8 * KA + 4 * HALF)          # int32 words per expert
         _mma_pass(x_ptr, w_ptr + local * estride, z_ptr, lim, m0, a0, a1, pid_n, n_tiles, stride_x, one,
-                  KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, False, 1, SWAP, False, 2 if KA + HALF <= 4 else 1)
+                  KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, False, 1, SWAP, False, _unroll_for(KA, HALF))
 
     @triton.jit(do_not_specialize=["rows", "one"])
     def _moe_mma_kernel(x_ptr, z_ptr, blk_ptr, desc_ptr, npad_ptr, w0, w1, w2, w3, v0, v1, v2, v3, rows, k_tiles,
@@ -158,11 +158,12 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     if target_programs is None:
         target_programs = 2112 if xs.device.type == "cuda" else 0
     n_blocks, max_blocks = n_tiles // ntw, int(block_experts.shape[0])
-    splits, k_per = gemv_splits(k_tiles, nproj * n_blocks * max_blocks, target_programs, k_multiple=2)  # UNROLL 2 for K ≤ 4
+    tier_bits = [bits_from_trellis(tr[0]) for tr in tier_trellis]
+    splits, k_per = gemv_splits(k_tiles, nproj * n_blocks * max_blocks, target_programs,
+                                k_multiple=max(_mm.default_unroll(b) for b in tier_bits))
     alloc = torch.zeros if zero else torch.empty
     z = alloc((nproj, splits, slots, n_tiles * 16), dtype=torch.float32, device=xs.device)
     cb, mult, add = _cb_args(codebook)
-    tier_bits = [bits_from_trellis(tr[0]) for tr in tier_trellis]
     ks = [_kernel_bits(b) for b in tier_bits] + [(1, 0)] * (MAX_TIERS - len(tier_bits))
     nwl = [_mm.words_per_lane(b) for b in tier_bits] + [2] * (MAX_TIERS - len(tier_bits))
     ws = [tr.view(torch.int32) for tr in tier_trellis]

@@ -27,7 +27,7 @@ from ...runtime.linear import Exl3Linear
 from ._compat import LinearMethodBase, set_weight_attrs
 from .forward import exl3_apply, exl3_head_apply, warm_layer_kernels
 from .layout import plan_shards
-from .shards import HEAD_FIX, block_cover, check_block_aligned, head_cover
+from .shards import block_cover, check_block_aligned, head_shard
 from .slicing import rank_piece
 
 if TYPE_CHECKING:
@@ -49,15 +49,18 @@ class Exl3CheckpointLinearMethod(LinearMethodBase):
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
-        shards = plan_shards(layer, self.prefix, self.names, input_size_per_partition, output_partition_sizes)
-        covers = [block_cover(spec) for spec in shards]   # splits inside a 128-block: the covering blocks
-        for cover, _, _ in covers:
+        layer.exl3_act_dtype = params_dtype
+        self._placeholders(layer, plan_shards(layer, self.prefix, self.names, input_size_per_partition,
+                                              output_partition_sizes))
+
+    def _placeholders(self, layer: nn.Module, rank_shards: list) -> None:
+        """The stored pieces this rank loads: each shard's covering 128-blocks (a split inside a block keeps
+        the whole block), with the windows of the rank's own rows/columns in them for the forward."""
+        covers = [block_cover(spec) for spec in rank_shards]
+        shards = [cover for cover, _, _ in covers]
+        for cover in shards:
             check_block_aligned(cover, self.prefix)
         layer.exl3_windows = [(out_w, in_w) for _, out_w, in_w in covers]
-        layer.exl3_act_dtype = params_dtype
-        self._placeholders(layer, [cover for cover, _, _ in covers])
-
-    def _placeholders(self, layer: nn.Module, shards: list) -> None:
         layer.exl3_shards = shards
         layer.exl3_parts = [dict() for _ in shards]
         for part, dtype in _PLACEHOLDER_DTYPES.items():
@@ -124,7 +127,7 @@ class Exl3CheckpointHeadMethod(Exl3CheckpointLinearMethod):
 
     vLLM pads the vocab (to 64 by default) and splits the padded vocab evenly over TP ranks; rank r's real
     rows are ``shard_indices.org_vocab_start_index .. org_vocab_end_index``. The rank holds the stored codes
-    of the whole 128-row blocks covering them (:func:`~.shards.head_cover`; a split inside a block shares
+    of the whole 128-row blocks covering them (:func:`~.shards.block_cover`; a split inside a block shares
     that block with the neighbouring rank) and keeps its own rows of their logits.
     """
 
@@ -134,18 +137,12 @@ class Exl3CheckpointHeadMethod(Exl3CheckpointLinearMethod):
         if int(getattr(layer, "num_added_embeddings", 0)):
             raise FormatError(f"{self.prefix}: an EXL3 lm_head with added (LoRA) vocabulary rows is not supported; "
                               f"serve it without LoRA extra vocab, or re-quantize with --head-bits 16")
-        start, end = int(idx.org_vocab_start_index), int(idx.org_vocab_end_index)
-        cover = head_cover(self.names[0], int(layer.org_vocab_size), int(input_size_per_partition), start, end,
-                           int(getattr(layer, "tp_size", 1)), int(getattr(layer, "tp_rank", 0)))
-        spec = None
-        if cover is not None:
-            spec, lead = cover
-            check_block_aligned(spec, self.prefix, fix=HEAD_FIX)
-            # the rank's rows inside the covered 128-row blocks; all input columns
-            layer.exl3_windows = [((lead, end - start), (0, int(input_size_per_partition)))]
+        spec = head_shard(self.names[0], int(layer.org_vocab_size), int(input_size_per_partition),
+                          int(idx.org_vocab_start_index), int(idx.org_vocab_end_index),
+                          int(getattr(layer, "tp_size", 1)), int(getattr(layer, "tp_rank", 0)))
         layer.exl3_width = int(sum(output_partition_sizes))
         layer.exl3_act_dtype = params_dtype
-        self._placeholders(layer, [spec] if spec is not None else [])
+        self._placeholders(layer, [spec] if spec is not None else [])   # none on a rank past the vocab
 
     def tie_weights(self, layer: nn.Module, embed_tokens: nn.Module) -> nn.Module:
         """The config says tied but the checkpoint stores its own EXL3 head: serve the stored head (vLLM does the

@@ -99,13 +99,13 @@ def row_shard(name: str, out_features: int, full_in: int, local_in: int, tp_size
     return ShardSpec(name, None, 0, out_features, local_in, out_features, full_in, tp_size, tp_rank, b)
 
 
-def check_block_aligned(spec: ShardSpec, layer: str, *, fix: Optional[str] = None) -> None:
+def check_block_aligned(spec: ShardSpec, layer: str) -> None:
     """A split EXL3 matrix must be cut on 128-blocks (the Hadamard block), else it is not a valid EXL3 matrix.
 
     A piece may end at the matrix's logical end (``hi == full``, e.g. the last rank's vocab rows of a head
     whose vocab is not a multiple of 128): it then runs to the padded end of the stored codes. Checked for
-    pre-quantized checkpoints (slicing stored codes). Online encoding encodes each rank's slice on its own,
-    so it does not need this. ``fix`` replaces the default advice in the error.
+    pre-quantized checkpoints (slicing stored codes): :func:`block_cover` pieces always are. Online encoding
+    encodes each rank's slice on its own, so it does not need this.
     """
     if spec.is_whole:
         return
@@ -114,12 +114,10 @@ def check_block_aligned(spec: ShardSpec, layer: str, *, fix: Optional[str] = Non
         if (lo, hi) == (0, full):
             continue
         if lo % PAD or (hi % PAD and hi != full):
-            advice = fix or (f"Use a tensor-parallel size that divides {full} into multiples of {PAD}, or serve the "
-                             f"BF16 checkpoint with online EXL3 (each rank encodes its own slice)")
             raise ShardError(
                 f"{layer} ({spec.name}): tensor parallelism {spec.tp_size} gives rank {spec.tp_rank} {what} "
-                f"[{lo}, {hi}) of {full}; a pre-quantized EXL3 matrix can only be split on multiples of {PAD} "
-                f"(its Hadamard block). {advice}")
+                f"[{lo}, {hi}) of {full}; a pre-quantized EXL3 matrix can only be cut on multiples of {PAD} "
+                f"(its Hadamard block): take block_cover(spec) of it")
 
 
 def block_cover(spec: ShardSpec) -> tuple[ShardSpec, tuple[int, int], tuple[int, int]]:
@@ -163,22 +161,5 @@ def head_shard(name: str, vocab: int, hidden: int, start: int, end: int, tp_size
     return ShardSpec(name, None, 0, end - start, hidden, vocab, hidden, tp_size, tp_rank, b)
 
 
-def head_cover(name: str, vocab: int, hidden: int, start: int, end: int, tp_size: int,
-               tp_rank: int) -> Optional[tuple[ShardSpec, int]]:
-    """The stored head codes a rank serves its vocab rows ``[start, end)`` from, on any split
-    (:func:`block_cover` of :func:`head_shard`) and ``lead``, the rows of that piece before ``start``;
-    None if the rank holds no row."""
-    spec = head_shard(name, vocab, hidden, start, end, tp_size, tp_rank)
-    if spec is None:
-        return None
-    cover, (lead, _), _ = block_cover(spec)
-    return cover, lead
-
-
-#: the advice of a misaligned head split (check_block_aligned's ``fix``)
-HEAD_FIX = (f"Use a tensor-parallel size that gives every rank a multiple of {PAD} vocab rows, or re-quantize "
-            "with `exl3rt quantize ... --head-bits 16` (the head stays BF16; vLLM then splits it freely)")
-
-
-__all__ = ["ShardSpec", "ShardError", "WHOLE", "HEAD_FIX", "shard_names", "column_shards", "row_shard", "head_shard",
-           "head_cover", "block_cover", "check_block_aligned"]
+__all__ = ["ShardSpec", "ShardError", "WHOLE", "shard_names", "column_shards", "row_shard", "head_shard",
+           "block_cover", "check_block_aligned"]
