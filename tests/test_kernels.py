@@ -175,8 +175,11 @@ def test_dispatch_and_prewarm_buckets():
     assert [kl.choose_path(r, gemv_max_rows=4) for r in (1, 4, 5)] == ["gemv", "gemv", "mma"]
     assert [kl.default_mma_config(r).swap for r in (1, 8, 9)] == [True, True, False]
     assert len({kl.specialization(r) for r in kl.PREWARM_ROWS}) == len(kl.PREWARM_ROWS)
-    # every row count maps to a bucket that PREWARM_ROWS covers
-    assert {kl.specialization(r) for r in range(1, 300)} <= {kl.specialization(r) for r in kl.PREWARM_ROWS}
+    # every row count maps to a bucket that PREWARM_ROWS covers, at every K
+    for bits in (2, 3, 4, 5, 6, 8, 2.5):
+        assert {kl.specialization(r, bits) for r in range(1, 300)} <= {kl.specialization(r, bits) for r in kl.PREWARM_ROWS}
+    # 9-16 rows above K = 4: four tiles per warp (the one-k-tile loop), two at K <= 4
+    assert [kl.default_mma_config(r, b).nt for r, b in ((12, 4), (12, 4.5), (16, 6), (8, 6), (17, 6))] == [2, 4, 4, 4, 4]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 20])
@@ -239,10 +242,16 @@ def test_gemv_splits():
     assert kl.gemv_splits(256, 28, 528) == (19, 14)
     assert kl.gemv_splits(8, 1, 0) == (1, 8)
     assert kl.gemv_splits(256, 224, 1056, k_multiple=8) == (5, 56)   # 52 rounded up to the mma loop's step
+    # the MoE launches' floor on k-tiles per split: 16896 programs over 512 would be 32 splits of 12
+    assert kl.gemv_splits(384, 512, 16896, k_multiple=2) == (32, 12)
+    assert kl.gemv_splits(384, 512, 16896, k_multiple=2, min_k=24) == (16, 24)
+    assert kl.gemv_splits(32, 768, 16896, min_k=24) == (2, 16)      # a soft floor: ceil(32 / 24) splits
     for in_tiles, nb, tgt in [(1, 5, 100), (300, 7, 528), (17, 1, 4)]:
         for mult in (1, 2, 8):
-            s, k = kl.gemv_splits(in_tiles, nb, tgt, k_multiple=mult)
-            assert (s - 1) * k < in_tiles <= s * k and k % mult == 0
+            for min_k in (1, 5, 24):
+                s, k = kl.gemv_splits(in_tiles, nb, tgt, k_multiple=mult, min_k=min_k)
+                assert (s - 1) * k < in_tiles <= s * k and k % mult == 0
+                assert s <= max(1, -(-in_tiles // min_k))
 
 
 def test_rejects_bad_shapes():

@@ -22,8 +22,8 @@ require_kernels()
 
 from exl3rt.format.bits import words16_per_tile  # noqa: E402
 from exl3rt.format.reconstruct import reconstruct  # noqa: E402
-from exl3rt.kernels.moe import (MoEWeights, exl3_moe, fused_glue_supported, grouped_gemv,  # noqa: E402
-                                pack_routes_fused)
+from exl3rt.kernels.moe import (GlueLaunch, MoEWeights, default_glue, exl3_moe, fused_glue_supported,  # noqa: E402
+                                grouped_gemv, pack_routes_fused, tiered_partials)
 from exl3rt.moe import MoELayerRuntime, MoERuntimeCache, MoESettings, Owner  # noqa: E402
 from exl3rt.moe.reference import DenseExpert, reference_launch_factory  # noqa: E402
 from exl3rt.moe.routing import pack_routes  # noqa: E402
@@ -169,6 +169,7 @@ FUSED_CASES = [
     (3, 1, (4, 3, 3), 16, True, True, torch.bfloat16, False),
     (17, 2, (3, 4, 4, 3), 8, True, False, torch.bfloat16, True),
     (3, 2, (4, 3), 8, False, False, torch.float16, False),
+    (6, 3, (3, 4, 4), 64, True, False, torch.bfloat16, False),  # four 16-row blocks per pass share each tile
 ]
 
 
@@ -192,6 +193,32 @@ def test_fused_passes_match_float64_loop(monkeypatch, t, k, bits, block_m, gated
     assert y.shape == x.shape and y.dtype == dtype
     ref = _loop(x, ids, wts, experts)
     assert _rel(y, ref) < (2e-3 if dtype == torch.float16 else 5e-3)
+
+
+@pytest.mark.parametrize("block_m,glue", [
+    (16, GlueLaunch(frag=True, pre_rows=16, pre_warps=4, mid_rows=4, mid_warps=4, mid_splits=2)),   # A fragments
+    (8, GlueLaunch(frag=False, post_splits=2, post_warps=0)),                                       # row-major x'
+])
+def test_fused_pass_layouts_and_launch_shapes(monkeypatch, block_m, glue):
+    """The layouts and launch shapes the defaults do not take (:func:`default_glue`: fragment order with
+    8-row blocks only) still compute the layer: x'/h' as 16-row A fragments, row-major with 8-row blocks;
+    multi-row, multi-warp programs; garbage ``torch.empty`` buffers."""
+    assert default_glue(8).frag and not default_glue(16).frag
+    bits = (4, 3, 3)
+    experts = _experts(bits, seed=7)
+    w = MoEWeights.from_experts(tiers_from_bitrates(list(bits)), experts)
+    x, ids, wts = _inputs(6, 3, 2, seed=5)
+    _garbage_empty(monkeypatch)
+    y = exl3_moe(x, ids, wts, w, block_m=block_m, nt=1, num_warps=8, glue=glue)
+    assert _rel(y, _loop(x, ids, wts, experts)) < 2e-3
+
+
+def test_fragment_order_needs_whole_row_blocks():
+    tr = torch.zeros(1, 8, 8, words16_per_tile(3), dtype=torch.int16, device=DEV)
+    pack = pack_routes(torch.zeros(1, 1, dtype=torch.int64, device=DEV), 1, 4)
+    with pytest.raises(ValueError, match="route blocks of 8"):
+        tiered_partials(torch.zeros(pack.capacity, 128, dtype=torch.float16, device=DEV), [tr], pack.block_experts,
+                        pack.num_padded, torch.zeros(1, dtype=torch.int32, device=DEV), 8, 4, "mcg", xfrag=True)
 
 
 def test_fused_equals_torch_glue_and_writes_out():

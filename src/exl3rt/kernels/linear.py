@@ -96,6 +96,11 @@ DEFAULT_MMA = MmaConfig(nt=4, num_warps=1, target_programs=4224, swap=True)
 # calls, 2026-11-30, rows 16: 4096x14336 K4 32.5 µs vs 38.7 for 4 k-splitting warps × 4 tiles, K2 32.3 vs
 # 37.4, K6 40.4 vs 40.3; 14336x4096 K4 30.1 vs 31.9, K6 36.8 vs 37.2; best or within 8 % of 7 configurations)
 DEFAULT_MMA_MANY_ROWS = MmaConfig(nt=2, num_warps=1, target_programs=4224)
+# 9-16 rows above K = 4 (one k-tile per loop iteration): 4 tiles per warp, ~3584 programs (H200, 2026-12-01,
+# one graph of 32 calls, K6 rows 16: 4096x14336 32.9 µs vs 36.1, 14336x4096 32.9 vs 33.3, 8192x8192 36.2 vs
+# 36.0, rows 12 alike; best or within 2 % of 8 configurations; K3 keeps DEFAULT_MMA_MANY_ROWS, whose
+# 30.6 / 29.2 / 32.7 µs beat 4 tiles per warp by 6-13 %)
+DEFAULT_MMA_MANY_ROWS_WIDE = MmaConfig(nt=4, num_warps=1, target_programs=3584)
 # 17-32 rows: one decode feeds two 16-row blocks (H200, 2026-11-30, one graph of 32 calls, 4096x14336 K4:
 # rows 24 37.3 µs, rows 32 42.0, vs decode + cuBLAS 83.1 / 83.4; best or within 7 % of 6 configurations
 # in two shapes, K 2/4/6, except K6 4096x14336 rows 32: 50.1 vs 47.0 for two tiles per warp)
@@ -106,12 +111,13 @@ DEFAULT_MMA_32_ROWS = MmaConfig(nt=4, num_warps=1, target_programs=2112, row_blo
 DEFAULT_MMA_64_ROWS = MmaConfig(nt=2, num_warps=1, target_programs=4224, row_blocks=4)
 
 
-def default_mma_config(rows: int) -> MmaConfig:
-    """The mma GEMV's launch configuration for ``rows`` (see :data:`DEFAULT_MMA_MANY_ROWS`)."""
+def default_mma_config(rows: int, bits: Bits = 4) -> MmaConfig:
+    """The mma GEMV's launch configuration for ``rows`` of a layer of ``bits`` per weight (see
+    :data:`DEFAULT_MMA_MANY_ROWS`)."""
     if rows <= 8:
         return DEFAULT_MMA
     if rows <= 16:
-        return DEFAULT_MMA_MANY_ROWS
+        return DEFAULT_MMA_MANY_ROWS_WIDE if bits > 4 else DEFAULT_MMA_MANY_ROWS
     return DEFAULT_MMA_32_ROWS if rows <= 32 else DEFAULT_MMA_64_ROWS
 
 
@@ -178,12 +184,14 @@ def _check(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> tuple
     return in_p, out_p, bits
 
 
-def gemv_splits(in_tiles: int, n_blocks: int, target_programs: int, k_multiple: int = 1) -> tuple[int, int]:
-    """(splits, k-tiles per split) so that n_blocks·splits is about ``target_programs``; k-tiles per split
-    rounded up to a multiple of ``k_multiple`` (the mma loop's k-tiles per iteration)."""
+def gemv_splits(in_tiles: int, n_blocks: int, target_programs: int, k_multiple: int = 1,
+                min_k: int = 1) -> tuple[int, int]:
+    """(splits, k-tiles per split) so that n_blocks·splits is about ``target_programs``, with at most
+    ``ceil(in_tiles / min_k)`` splits; k-tiles per split rounded up to a multiple of ``k_multiple`` (the
+    mma loop's k-tiles per iteration)."""
     if target_programs <= 0:
         return 1, in_tiles
-    splits = max(1, min(in_tiles, math.ceil(target_programs / max(1, n_blocks))))
+    splits = max(1, min(in_tiles, math.ceil(target_programs / max(1, n_blocks)), math.ceil(in_tiles / min_k)))
     k_per = math.ceil(math.ceil(in_tiles / splits) / k_multiple) * k_multiple
     return math.ceil(in_tiles / k_per), k_per
 
@@ -246,7 +254,7 @@ def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Opt
     if not xfrag:
         rows = xh.shape[0]
     in_p = xh.shape[1]
-    cfg = cfg or default_mma_config(rows)
+    cfg = cfg or default_mma_config(rows, bits_from_trellis(trellis))
     if xfrag and xh.shape[0] != xfrag_rows(rows, cfg):
         raise ValueError(f"fragment-ordered x' of {rows} rows: expected {xfrag_rows(rows, cfg)} rows, got {xh.shape[0]}")
     if cfg.ksplit:
@@ -327,7 +335,7 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
         return y
     if path == "mma":
         pdl = _use_pdl(x.device)
-        cfg = mma_cfg or default_mma_config(rows)
+        cfg = mma_cfg or default_mma_config(rows, kbits)
         xf = torch.empty((xfrag_rows(rows, cfg), in_p), dtype=torch.float16, device=x.device)
         _had(x, suh, xf, pre=True, pdl=pdl, frag=2 if cfg.swap else 1)
         z = mma_rotated(xf, trellis, codebook, cfg, rows=rows)
@@ -349,12 +357,12 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.matmul(a, b).float()
 
 
-def specialization(rows: int) -> tuple:
+def specialization(rows: int, bits: Bits = 4) -> tuple:
     """The kernel specializations ``exl3_linear`` uses for ``rows`` (per layer shape, K and codebook):
     the path, its launch configuration and the Hadamard passes' row block (the kernels do not
     specialize on ``rows`` itself)."""
     path = choose_path(rows)
-    cfg = default_mma_config(rows) if path == "mma" else None
+    cfg = default_mma_config(rows, bits) if path == "mma" else None
     return (path, cfg, min(16, next_pow2(rows)))
 
 
@@ -377,7 +385,7 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Iterable[int] = 
         suh = torch.ones(in_p, dtype=torch.float16, device=device)
         svh = torch.ones(out_p, dtype=torch.float16, device=device)
         for r in rows:
-            key = (in_p, out_p, bits, codebook, dtype, specialization(r))
+            key = (in_p, out_p, bits, codebook, dtype, specialization(r, bits))
             if key in done:
                 continue
             done.add(key)

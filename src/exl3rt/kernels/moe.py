@@ -38,10 +38,26 @@ from ..format.hadamard import hadamard_blocks
 from ..moe.routing import ID_DTYPES, RoutePack, pack_routes, route_capacity
 from ..util.ints import next_pow2
 from . import mma as _mm
-from ._triton import HAVE_TRITON, tl, triton
-from .linear import _cb_args, _kernel_bits, _use_asm, gemv_splits
+from ._triton import HAVE_GDC, HAVE_TRITON, tl, triton
+from .linear import _cb_args, _kernel_bits, _pdl_args, _use_asm, gemv_splits
 
 MAX_TIERS = 4
+
+#: programs a tiered launch aims at (n-tile groups × route blocks × K splits; the route blocks counted are
+#: every block the pack may fill, live or not) and the fewest k-tiles a split should get. H200, 2026-12-01,
+#: hidden 6144, I 2048 / 512, 256 experts top-8, K3/K4 192/64, graph-timed calls: 16896 programs against
+#: 2112 gave 8–20 % at 8–512 rows with I = 512 and 10 % at 8 rows with I = 2048, even elsewhere, except
+#: at one row, where splits under ~24 k-tiles lost (I = 2048: 128 µs at 44 k-tiles per split, 131 at 24,
+#: 138 at 12)
+TARGET_PROGRAMS = 16896
+MIN_SPLIT_K_TILES = 24
+
+#: n-tiles per program of a tiered launch. Four at every route block (H200, 2026-12-01, I 2048, 2048 rows:
+#: route block 64 with four 16-row blocks per pass 10214 µs at 4 tiles, 16938 at 2; block 32, 10527 / 15230)
+DEFAULT_NT = 4
+
+if HAVE_GDC:
+    from ._triton import gdc_wait
 
 if HAVE_TRITON:
     from .mma import _mma_pass, _unroll_for
@@ -50,12 +66,13 @@ if HAVE_TRITON:
     def _tier_pass(x_ptr, w_ptr, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
                    KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr,
                    NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr, ASM: tl.constexpr,
-                   SWAP: tl.constexpr):
-        """One 16-route pass (8 with SWAP) of one tier: expert ``local`` of the tier's stacked trellis at
-        ``w_ptr``."""
+                   SWAP: tl.constexpr, XFRAG: tl.constexpr, MB: tl.constexpr):
+        """One pass of 16·MB routes (8 with SWAP; MB 16-row blocks share each decoded tile) of one tier:
+        expert ``local`` of the tier's stacked trellis at ``w_ptr``."""
         estride = k_tiles * n_tiles * (8 * KA + 4 * HALF)          # int32 words per expert
         _mma_pass(x_ptr, w_ptr + local * estride, z_ptr, lim, m0, a0, a1, pid_n, n_tiles, stride_x, one,
-                  KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, False, 1, SWAP, False, _unroll_for(KA, HALF))
+                  KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, False, MB, SWAP, False, _unroll_for(KA, HALF),
+                  XFRAG)
 
     @triton.jit(do_not_specialize=["rows", "one"])
     def _moe_mma_kernel(x_ptr, z_ptr, blk_ptr, desc_ptr, npad_ptr, w0, w1, w2, w3, v0, v1, v2, v3, rows, k_tiles,
@@ -66,12 +83,19 @@ if HAVE_TRITON:
                         K2A: tl.constexpr, K2H: tl.constexpr, N2: tl.constexpr,
                         K3A: tl.constexpr, K3H: tl.constexpr, N3: tl.constexpr,
                         CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr, NT: tl.constexpr,
-                        WARPS: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr, NPROJ: tl.constexpr):
+                        WARPS: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr, NPROJ: tl.constexpr,
+                        XFRAG: tl.constexpr = False, PDL: tl.constexpr = False, MB: tl.constexpr = 1):
         """z[slot, :] = x'[slot, :]·Q_e for the BLOCK_M slots of route block ``program_id(1)``
         (expert e = blk[j]), the n-tiles of ``program_id(0)``, K-split ``program_id(2)`` (partials
         ``z[split]``); blocks past ``npad / BLOCK_M`` exit. NPROJ = 2: two projections of the same
         geometry in one grid (gate and up): programs ``program_id(0) >= n_blocks`` run the second
-        (tiers ``v0..v3``, input ``x + stride_xp``, partials ``z + stride_zp``)."""
+        (tiers ``v0..v3``, input ``x + stride_xp``, partials ``z + stride_zp``). ``XFRAG``: x' in fragment
+        order (``stride_x`` then int32 words per row block; route blocks are whole row blocks). ``MB``: 16-row
+        blocks per pass sharing each decoded tile (``BLOCK_M`` a multiple of 16·MB). ``PDL``: wait
+        for the previous launch before anything (the expert of a block comes from the packer); no early
+        trigger (the next pass's programs would hold SMs waiting for this grid, as in the dense kernel)."""
+        if PDL:
+            gdc_wait()
         pid_n = tl.program_id(0)
         j = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -95,23 +119,36 @@ if HAVE_TRITON:
             lim = tl.minimum(rows, (j + 1) * BLOCK_M)
             # blocks of at most 8 routes (the decode plan): the decoded tile is the mma's A operand
             # (mma.SWAP: one mma per tile, half the accumulators); else 16-route passes
-            for mb in tl.static_range(0, BLOCK_M, 8 if BLOCK_M <= 8 else 16):
+            for mb in tl.static_range(0, BLOCK_M, 8 if BLOCK_M <= 8 else 16 * MB):
                 m0 = j * BLOCK_M + mb
                 if tier == 0:
                     _tier_pass(x_ptr, w0, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
-                               K0A, K0H, CB, MULT, ADD, NT, WARPS, N0, ASM, BLOCK_M <= 8)
+                               K0A, K0H, CB, MULT, ADD, NT, WARPS, N0, ASM, BLOCK_M <= 8, XFRAG, MB)
                 if NTIERS > 1:
                     if tier == 1:
                         _tier_pass(x_ptr, w1, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
-                                   K1A, K1H, CB, MULT, ADD, NT, WARPS, N1, ASM, BLOCK_M <= 8)
+                                   K1A, K1H, CB, MULT, ADD, NT, WARPS, N1, ASM, BLOCK_M <= 8, XFRAG, MB)
                 if NTIERS > 2:
                     if tier == 2:
                         _tier_pass(x_ptr, w2, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
-                                   K2A, K2H, CB, MULT, ADD, NT, WARPS, N2, ASM, BLOCK_M <= 8)
+                                   K2A, K2H, CB, MULT, ADD, NT, WARPS, N2, ASM, BLOCK_M <= 8, XFRAG, MB)
                 if NTIERS > 3:
                     if tier == 3:
                         _tier_pass(x_ptr, w3, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
-                                   K3A, K3H, CB, MULT, ADD, NT, WARPS, N3, ASM, BLOCK_M <= 8)
+                                   K3A, K3H, CB, MULT, ADD, NT, WARPS, N3, ASM, BLOCK_M <= 8, XFRAG, MB)
+
+
+def frag_blocks(block_m: int) -> int:
+    """The fragment order the tiered launch reads x' in for route blocks of ``block_m``: 2 (8-row B
+    fragments: blocks of 8, the swapped mma), 1 (16-row A fragments: multiples of 16), 0 (none: row-major)."""
+    return 2 if block_m == 8 else 1 if block_m % 16 == 0 else 0
+
+
+def pass_row_blocks(block_m: int) -> int:
+    """16-row blocks per pass of the tiered launch for route blocks of ``block_m``: as many as divide the
+    block, up to 4 (a route block of 64 decodes each tile once, not four times; the dense kernel's
+    33–64-row configuration); 1 below 32."""
+    return next(m for m in (4, 2, 1) if block_m % (16 * m) == 0) if block_m >= 32 else 1
 
 
 def _check_stacks(name: str, tier_trellis: Sequence[torch.Tensor]) -> tuple[int, int]:
@@ -128,15 +165,21 @@ def _check_stacks(name: str, tier_trellis: Sequence[torch.Tensor]) -> tuple[int,
 
 def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], block_experts: torch.Tensor,
                     num_padded: torch.Tensor, descriptors: torch.Tensor, shift: int, block_m: int, codebook: str,
-                    *, second: Optional[Sequence[torch.Tensor]] = None, nt: int = 4, num_warps: int = 1,
-                    target_programs: Optional[int] = None, zero: bool = True) -> torch.Tensor:
+                    *, second: Optional[Sequence[torch.Tensor]] = None, nt: Optional[int] = None, num_warps: int = 1,
+                    target_programs: Optional[int] = None, zero: bool = True, xfrag: bool = False,
+                    pdl: bool = False, row_blocks: Optional[int] = None) -> torch.Tensor:
     """One tiered launch; returns the split-K partials ``z [P, splits, slots, out_p]`` (fp32) of
     ``xs[slot]·Q_{e(slot)}``. ``P = 1``, or 2 with ``second`` (a second projection of the same geometry
     and tier order, e.g. up next to gate, in the same launch): ``xs`` is then ``[slots, in_p]`` (both read
     it) or ``[2, slots, in_p]`` (one input per projection). ``zero=False``: ``torch.empty`` partials —
     the rows of slots past ``num_padded`` are then left unwritten (garbage), every other element is
-    written. K is split so that about ``target_programs`` programs run (default 2112 on a GPU, no split
-    in the CPU interpreter, where programs are what costs)."""
+    written. K is split so that about ``target_programs`` programs run (default :data:`TARGET_PROGRAMS` on
+    a GPU, each split at least about :data:`MIN_SPLIT_K_TILES` k-tiles; no split in the CPU interpreter,
+    where programs are what costs). ``xfrag``: ``xs`` is in the mma's fragment
+    order (:func:`frag_blocks`; route blocks of 8 or a multiple of 16), not row-major. ``pdl``: launched
+    as a programmatic dependent launch where available (it waits for the previous launch at its start).
+    ``row_blocks``: 16-row blocks of a route block that share each decoded tile (default
+    :func:`pass_row_blocks`)."""
     name = "grouped_gemv"
     nproj = 1 if second is None else 2
     in_p = xs.shape[-1]
@@ -150,17 +193,22 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
         raise ValueError(f"{name}: xs has {in_p} columns, the trellis {k_tiles * 16} rows")
     if xs.stride(-1) != 1 or xs.stride(-2) != in_p:
         raise ValueError(f"{name}: xs must be row-contiguous")
+    if xfrag and not frag_blocks(block_m):
+        raise ValueError(f"{name}: fragment-order x' needs route blocks of 8 or a multiple of 16, not {block_m}")
+    mb = pass_row_blocks(block_m) if row_blocks is None else int(row_blocks)
+    if mb not in (1, 2, 4) or (mb > 1 and block_m % (16 * mb)):
+        raise ValueError(f"{name}: {mb} row blocks per pass do not divide route blocks of {block_m}")
     stride_xp = xs.stride(0) if xs.dim() == 3 and xs.shape[0] > 1 else 0
-    ntw = nt * num_warps
+    ntw = (DEFAULT_NT if nt is None else nt) * num_warps
     while n_tiles % ntw:
         ntw //= 2
     warps = min(num_warps, ntw)
     if target_programs is None:
-        target_programs = 2112 if xs.device.type == "cuda" else 0
+        target_programs = TARGET_PROGRAMS if xs.device.type == "cuda" else 0
     n_blocks, max_blocks = n_tiles // ntw, int(block_experts.shape[0])
     tier_bits = [bits_from_trellis(tr[0]) for tr in tier_trellis]
     splits, k_per = gemv_splits(k_tiles, nproj * n_blocks * max_blocks, target_programs,
-                                k_multiple=max(_mm.default_unroll(b) for b in tier_bits))
+                                k_multiple=max(_mm.default_unroll(b) for b in tier_bits), min_k=MIN_SPLIT_K_TILES)
     alloc = torch.zeros if zero else torch.empty
     z = alloc((nproj, splits, slots, n_tiles * 16), dtype=torch.float32, device=xs.device)
     cb, mult, add = _cb_args(codebook)
@@ -170,19 +218,21 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     ws += [ws[0]] * (MAX_TIERS - len(ws))
     vs = ws if second is None else [tr.view(torch.int32) for tr in second] + [ws[0]] * (MAX_TIERS - len(second))
     grid = (nproj * n_blocks, max_blocks, splits)
+    stride_x = (8 if block_m <= 8 else 16) * in_p // 2 if xfrag else in_p    # int32 per row block / fp16 per row
     _moe_mma_kernel[grid](xs, z, block_experts, descriptors, num_padded, *ws, *vs, slots, k_tiles, n_tiles, k_per,
-                          in_p, z.stride(1), 1, n_blocks, stride_xp, z.stride(0), SHIFT=shift,
+                          stride_x, z.stride(1), 1, n_blocks, stride_xp, z.stride(0), SHIFT=shift,
                           NTIERS=len(tier_trellis),
                           K0A=ks[0][0], K0H=ks[0][1], N0=nwl[0], K1A=ks[1][0], K1H=ks[1][1], N1=nwl[1],
                           K2A=ks[2][0], K2H=ks[2][1], N2=nwl[2], K3A=ks[3][0], K3H=ks[3][1], N3=nwl[3],
                           CB=cb, MULT=mult, ADD=add, NT=ntw // warps, WARPS=warps, BLOCK_M=block_m,
-                          ASM=_use_asm(xs.device), NPROJ=nproj, num_warps=warps)
+                          ASM=_use_asm(xs.device), NPROJ=nproj, XFRAG=bool(xfrag), MB=mb, num_warps=warps,
+                          **(_pdl_args(xs.device) if pdl else {}))
     return z
 
 
 def grouped_gemv(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], block_experts: torch.Tensor,
                  num_padded: torch.Tensor, descriptors: torch.Tensor, shift: int, block_m: int, codebook: str,
-                 *, nt: int = 4, num_warps: int = 1, target_programs: Optional[int] = None) -> torch.Tensor:
+                 *, nt: Optional[int] = None, num_warps: int = 1, target_programs: Optional[int] = None) -> torch.Tensor:
     """``z[slot] = xs[slot]·Q_{e(slot)}`` (fp32 ``[slots, out_p]``) for fp16 ``xs [slots, in_p]``, every
     tier in one launch. ``tier_trellis[t]``: the tier's experts stacked ``[n_t, in_p/16, out_p/16, 16K_t]``
     (int16, contiguous, local order); ``block_experts`` / ``num_padded`` from :class:`RoutePack`.
@@ -279,10 +329,12 @@ PACK_MAX_ROUTES = 1024
 PACK_MAX_EXPERTS = 1024
 
 
-def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor) -> RoutePack:
+def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor,
+                      *, pdl: bool = False) -> RoutePack:
     """:func:`~exl3rt.moe.routing.pack_routes` (same outputs, bit for bit) as one Triton launch when
     ``T·k <= PACK_MAX_ROUTES`` and ``E <= PACK_MAX_EXPERTS``, else the torch packer. Fresh buffers
-    (``torch.empty``: the kernel writes every element)."""
+    (``torch.empty``: the kernel writes every element). ``pdl``: a programmatic dependent launch where
+    available (lets the next launch start early; waits for the previous one first)."""
     from .moe_glue import _moe_pack_kernel
     numel, E = int(topk_ids.numel()), int(num_experts)
     if (topk_ids.dtype not in ID_DTYPES or topk_ids.dim() != 2 or not 0 < numel <= PACK_MAX_ROUTES
@@ -301,12 +353,49 @@ def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, ex
     emap = expert_map if expert_map.is_contiguous() else expert_map.contiguous()
     _moe_pack_kernel[(1,)](topk_ids.reshape(-1), emap, pack.sorted_routes, pack.block_experts, pack.num_padded,
                            pack.expert_counts, scratch, numel, int(emap.shape[0]), E, cap, pack.max_blocks,
-                           NP=np_, EP=next_pow2(E), FB=256, BLOCK_M=int(block_m), num_warps=4)
+                           NP=np_, EP=next_pow2(E), FB=256, BLOCK_M=int(block_m), num_warps=4,
+                           **(_pdl_args(dev) if pdl else {}))
     return pack
 
 
+@dataclasses.dataclass(frozen=True)
+class GlueLaunch:
+    """Launch shapes of the fused passes (:mod:`exl3rt.kernels.moe_glue`): rows (slots) per program and
+    warps of the pre- and mid-pass, split-K partials per load of the mid- and post-pass, warps of the post
+    pass (0: by top-k); whether x'/h' are written in the tiered launch's fragment order (where the route
+    block allows it, :func:`frag_blocks`) and whether the launches are programmatic dependent launches
+    (where the GPU and Triton have them). :func:`default_glue` gives the measured defaults; a tuning
+    override of :func:`exl3_moe`."""
+
+    pre_rows: int = 4
+    pre_warps: int = 1
+    mid_rows: int = 2
+    mid_warps: int = 1
+    mid_splits: int = 8
+    post_splits: int = 8
+    post_warps: int = 1
+    frag: bool = False
+    pdl: bool = False
+
+
+def default_glue(block_m: int) -> GlueLaunch:
+    """The passes' launch shapes for route blocks of ``block_m`` (a function of the plan, never of T: one
+    specialization per plan, so a prewarm at any row count covers every T). One-warp programs throughout;
+    8-row blocks (the decode plan): one slot per mid program reading up to 16 partials at once, x'/h' in
+    fragment order. H200, 2026-12-01, hidden 6144, I 2048 / 512, 256 experts top-8, K3/K4 192/64, rows 1–512
+    (graph-timed calls, one knob at a time): the one-warp passes gave 5–10 % (mid-pass 13.8 → 4.8 µs at one
+    row); fragment order 1–3 % with 8-row blocks, 0–3 % slower with 16-row blocks; programmatic dependent
+    launch slower at 8 of 10 points (up to 13 %), so off."""
+    if block_m <= 8:
+        return GlueLaunch(mid_rows=1, mid_splits=16, frag=True)
+    return GlueLaunch()
+
+
+
+
 def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MoEWeights, block_m: int,
-           nt: int, num_warps: int, out: Optional[torch.Tensor], target_programs: Optional[int] = None) -> torch.Tensor:
+           nt: Optional[int], num_warps: int, out: Optional[torch.Tensor], target_programs: Optional[int],
+           glue: GlueLaunch) -> torch.Tensor:
     """Six Triton launches: pack (one program; the torch packer past PACK_MAX_ROUTES), pre, gate+up, mid,
     down, post (kernels/moe_glue.py)."""
     from .moe_glue import _moe_mid_kernel, _moe_post_kernel, _moe_pre_kernel
@@ -314,7 +403,7 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     k = int(topk_ids.shape[1])
     numel = T * k
     dev = x.device
-    pack = pack_routes_fused(topk_ids, w.num_experts, block_m, w.expert_map)
+    pack = pack_routes_fused(topk_ids, w.num_experts, block_m, w.expert_map, pdl=glue.pdl)
     slots = pack.capacity
     I = int(w.up[0].shape[2]) * 16
     if H % 128 or I % 128:
@@ -327,34 +416,35 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     gate_suh = w.gate_suh.contiguous() if two else up_suh
     xs = torch.empty((2 if two else 1, slots, H), dtype=torch.float16, device=dev)
     pos = torch.empty(max(numel, 1), dtype=torch.int32, device=dev)
+    frag = frag_blocks(block_m) if glue.frag else 0
+    pdl = _pdl_args(dev) if glue.pdl else {}
     # row blocks and split loads are fixed (never a function of T): one specialization per layer geometry,
     # so a prewarm at any row count covers every T
-    br = 16
+    br = glue.pre_rows
     _moe_pre_kernel[(triton.cdiv(slots, br), H // 128)](
         x, pack.sorted_routes, pack.block_experts, pack.num_padded, up_suh, gate_suh, xs, pos,
         slots, numel, k, H, x.stride(0), _row_stride(up_suh), _row_stride(gate_suh), slots * H, int(two),
-        BR=br, BLOCK_M=block_m, num_warps=4)
+        BR=br, BLOCK_M=block_m, FRAG=frag, num_warps=glue.pre_warps, **pdl)
 
     common = (pack.block_experts, pack.num_padded, w.descriptors, w.shift, block_m, w.codebook)
+    tiered = dict(nt=nt, num_warps=num_warps, target_programs=target_programs, zero=False, xfrag=frag > 0,
+                  pdl=glue.pdl)
     if gated:   # gate and up in one launch: partials zgu[0] gate, zgu[1] up
-        zgu = tiered_partials(xs if two else xs[0], w.gate, *common, second=w.up, nt=nt, num_warps=num_warps,
-                              target_programs=target_programs, zero=False)
+        zgu = tiered_partials(xs if two else xs[0], w.gate, *common, second=w.up, **tiered)
     else:
-        zgu = tiered_partials(xs[0], w.up, *common, nt=nt, num_warps=num_warps, target_programs=target_programs,
-                              zero=False)
+        zgu = tiered_partials(xs[0], w.up, *common, **tiered)
     splits = int(zgu.shape[1])
     up_svh = w.up_svh.contiguous()
     gate_svh = w.gate_svh.contiguous() if gated else up_svh
     down_suh = w.down_suh.contiguous()
     hs = torch.empty((slots, I), dtype=torch.float16, device=dev)
-    brm, sb = 4, 4
+    brm = glue.mid_rows
     _moe_mid_kernel[(triton.cdiv(slots, brm), I // 128)](
         zgu, pack.sorted_routes, pack.block_experts, pack.num_padded, gate_svh, up_svh, down_suh, hs, slots, numel,
         I, splits, zgu.stride(1), zgu.stride(0), _row_stride(gate_svh), _row_stride(up_svh), _row_stride(down_suh),
-        GATED=gated, BR=brm, SB=sb, BLOCK_M=block_m, num_warps=4)
+        GATED=gated, BR=brm, SB=glue.mid_splits, BLOCK_M=block_m, FRAG=frag, num_warps=glue.mid_warps, **pdl)
 
-    zd = tiered_partials(hs, w.down, *common, nt=nt, num_warps=num_warps, target_programs=target_programs,
-                         zero=False)[0]
+    zd = tiered_partials(hs, w.down, *common, **tiered)[0]
     splits = int(zd.shape[0])
     down_svh = w.down_svh.contiguous()
     wts = topk_weights.reshape(-1)
@@ -363,11 +453,11 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     direct = out is not None and out.is_contiguous() and out.dtype == x.dtype and tuple(out.shape) == (T, H)
     y = out if direct else torch.empty((T, H), dtype=x.dtype, device=dev)
     kp = next_pow2(k)
-    wp = 1 if kp <= 2 else 4
-    sbp = 4
+    wp = glue.post_warps or (1 if kp <= 2 else 4)
+    sbp = glue.post_splits
     _moe_post_kernel[(T, H // 128)](
         zd, pack.sorted_routes, pos, pack.block_experts, wts, down_svh, y, numel, k, H, splits, zd.stride(0),
-        _row_stride(down_svh), slots, KP=kp, SB=sbp, BLOCK_M=block_m, num_warps=wp)
+        _row_stride(down_svh), slots, KP=kp, SB=sbp, BLOCK_M=block_m, num_warps=wp, **pdl)
     if out is not None and y is not out:
         out.copy_(y)
         return out
@@ -375,21 +465,25 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
 
 
 def exl3_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MoEWeights, *,
-             block_m: int = 16, nt: int = 4, num_warps: int = 1, fused: bool = True,
-             out: Optional[torch.Tensor] = None, target_programs: Optional[int] = None) -> torch.Tensor:
+             block_m: int = 16, nt: Optional[int] = None, num_warps: int = 1, fused: bool = True,
+             out: Optional[torch.Tensor] = None, target_programs: Optional[int] = None,
+             glue: Optional[GlueLaunch] = None) -> torch.Tensor:
     """``y[t] = Σ_s topk_weights[t, s] · expert_{topk_ids[t, s]}(x[t])`` (see the module docstring).
 
     ``fused=True`` (default): six Triton launches — route packing in one program (the torch packer past
     ``PACK_MAX_ROUTES`` routes), pre-pass, gate+up, mid-pass, down, post-pass (:mod:`exl3rt.kernels.moe_glue`)
     — where :func:`fused_glue_supported` (activation ``F.silu``), else — and with ``fused=False`` — the
     torch glue around three tiered launches (the reference the fused passes are tested against). Both are
-    CUDA-graph capturable. ``out`` (``[T, H]``, x's dtype): written and returned.
+    CUDA-graph capturable. ``out`` (``[T, H]``, x's dtype): written and returned. ``target_programs``
+    (split-K of the tiered launches) and ``glue`` (:class:`GlueLaunch`, the fused passes; default
+    :func:`default_glue`): tuning overrides.
     """
     if x.shape[0] == 0:
         y = x.new_zeros(x.shape)
         return out.copy_(y) if out is not None else y
     if fused and fused_glue_supported(w):
-        return _fused(x, topk_ids, topk_weights, w, block_m, nt, num_warps, out, target_programs)
+        return _fused(x, topk_ids, topk_weights, w, block_m, nt, num_warps, out, target_programs,
+                      glue or default_glue(block_m))
     y = _unfused(x, topk_ids, topk_weights, w, block_m, nt, num_warps)
     if out is not None:
         out.copy_(y)
@@ -398,7 +492,7 @@ def exl3_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 
 
 def _unfused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MoEWeights,
-             block_m: int, nt: int, num_warps: int) -> torch.Tensor:
+             block_m: int, nt: Optional[int], num_warps: int) -> torch.Tensor:
     """The torch glue: gather, rotations, activation and weighted sum as torch ops, three tiered launches."""
     T, H = x.shape
     k = topk_ids.shape[1]
@@ -436,5 +530,5 @@ def _unfused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     return y[:T].to(x.dtype)
 
 
-__all__ = ["MoEWeights", "exl3_moe", "fused_glue_supported", "grouped_gemv", "pack_routes_fused", "tiered_partials",
+__all__ = ["GlueLaunch", "MoEWeights", "default_glue", "exl3_moe", "frag_blocks", "fused_glue_supported", "grouped_gemv", "pack_routes_fused", "tiered_partials",
            "MAX_TIERS", "PACK_MAX_ROUTES"]

@@ -5,7 +5,8 @@
     pack     _moe_pack_kernel   pack_routes in one program, a sort of NP (64 or 1024) keys (same outputs;
                                 T·k <= PACK_MAX_ROUTES, else the torch packer)
     pre      _moe_pre_kernel    x'[p, s] = (x[tok(s)] ⊙ suh_p[e(s)])·H   fp16; p = gate, up (or one shared);
-                                zero rows for padding slots; pos[route] = slot (the inverse permutation)
+                                zero rows for padding slots (a program of padding slots only writes
+                                nothing: no pass reads their rows); pos[route] = slot (the inverse permutation)
     gate+up  _moe_mma_kernel    one launch for both projections: split-K partials zgu[p, split, slot, I]
     mid      _moe_mid_kernel    h'[s] = ((silu(Σ zg·H ⊙ gate_svh) · (Σ zu·H ⊙ up_svh)) ⊙ down_suh)·H   fp16
     down     _moe_mma_kernel    zd[split, slot, H]
@@ -23,10 +24,22 @@ buffer is sized by the pack's capacity, so the whole call is CUDA-graph capturab
 
 from __future__ import annotations
 
-from ._triton import HAVE_TRITON, tl, triton
+from ._triton import HAVE_GDC, HAVE_TRITON, tl, triton
+
+if HAVE_GDC:
+    from ._triton import gdc_launch_dependents, gdc_wait
 
 if HAVE_TRITON:
-    from .hadamard import HAD_SCALE_C, _fwht128
+    from .hadamard import HAD_SCALE_C, _fwht128, _xfrag_offsets
+
+    @triton.jit
+    def _pdl_start(PDL: tl.constexpr):
+        """Programmatic dependent launch: let the next launch of the call start now (its programs wait at
+        their own start), then wait until the previous launch has finished and its writes are visible —
+        before this program reads or writes anything."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
 
     @triton.jit
     def _sum_splits(ptr, offs, mask, splits, stride_s, SB: tl.constexpr, BR: tl.constexpr):
@@ -55,7 +68,8 @@ if HAVE_TRITON:
     @triton.jit(do_not_specialize=["numel", "n_map", "cap", "max_blocks"])
     def _moe_pack_kernel(ids_ptr, map_ptr, routes_ptr, blk_ptr, npad_ptr, counts_ptr, scratch_ptr,
                          numel, n_map, E, cap, max_blocks,
-                         NP: tl.constexpr, EP: tl.constexpr, FB: tl.constexpr, BLOCK_M: tl.constexpr):
+                         NP: tl.constexpr, EP: tl.constexpr, FB: tl.constexpr, BLOCK_M: tl.constexpr,
+                         PDL: tl.constexpr = False):
         """:func:`~exl3rt.moe.routing.pack_routes` in one program (same outputs, bit for bit). The routes
         (NP ≥ numel, a power of two) are sorted by the key ``expert·NP + route`` (stable by construction;
         dropped routes and lanes past numel get expert EP and sort last). In sorted order, a run of one
@@ -63,6 +77,7 @@ if HAVE_TRITON:
         barrier): rank = position − run start, and the run's padded length sits on its last element, so
         an exclusive cumsum gives every run's first slot. ``block_experts[slot // BLOCK_M] = expert`` for
         every route's slot names every live block (no block of a run is padding only)."""
+        _pdl_start(PDL)
         i = tl.arange(0, NP)
         b = _bucket(ids_ptr, map_ptr, i, i < numel, n_map, E, EP)
         sk = tl.sort(b * NP + i)
@@ -97,66 +112,85 @@ if HAVE_TRITON:
         c = tl.program_id(1) * 128 + tl.arange(0, 128)
         return s, c, s < tl.minimum(tl.load(npad_ptr), slots)
 
+    @triton.jit
+    def _slot_offsets(s, c, n, FRAG: tl.constexpr):
+        """fp16 offsets of elements (slot ``s``, column ``c``) of a ``[slots, n]`` pass output: row-major,
+        or (FRAG 1/2) the tiered launch's fragment order (16-row A / 8-row B fragments, route blocks are
+        whole row blocks)."""
+        if FRAG:
+            return _xfrag_offsets(s.to(tl.int64)[:, None], c[None, :], n * (4 if FRAG == 2 else 8), FRAG == 2)
+        return s.to(tl.int64)[:, None] * n + c[None, :]
+
     @triton.jit(do_not_specialize=["slots", "numel", "k", "stride_x", "two"])
     def _moe_pre_kernel(x_ptr, routes_ptr, blk_ptr, npad_ptr, su_ptr, sg_ptr, xs_ptr, pos_ptr,
                         slots, numel, k, H, stride_x, su_se, sg_se, stride_xsp, two,
-                        BR: tl.constexpr, BLOCK_M: tl.constexpr):
+                        BR: tl.constexpr, BLOCK_M: tl.constexpr, FRAG: tl.constexpr = 0, PDL: tl.constexpr = False):
         """Slots ``program_id(0)·BR …``, columns ``program_id(1)·128 …``: x' = (x[tok] ⊙ suh[e])·H, zero
-        for padding slots (nothing past ``num_padded``); pos[r] = slot. ``two`` = 1: x'_gate at ``xs``,
+        for the padding slots of a program with a live slot (a program of padding slots only writes nothing:
+        a row of x' only reaches its own row of the partials, which no pass reads; nothing past
+        ``num_padded``); pos[r] = slot. ``two`` = 1: x'_gate at ``xs``,
         x'_up at ``xs + stride_xsp`` (the order of the gate+up launch's projections); 0: x'_up (shared
         with gate) at ``xs``. ``two`` is a runtime value, not a specialization: one compiled kernel (and
-        one prewarm) serves both."""
+        one prewarm) serves both. ``FRAG``: x' in the tiered launch's fragment order (:func:`_slot_offsets`)."""
+        _pdl_start(PDL)
         s, c, smask = _slot_block(npad_ptr, slots, BR)
         r = tl.load(routes_ptr + s, mask=smask, other=numel)
         live = smask & (r < numel)
-        tok = tl.where(live, r // k, 0).to(tl.int64)
-        e = tl.load(blk_ptr + s // BLOCK_M, mask=smask, other=0).to(tl.int64)
-        e = tl.maximum(e, 0)
-        xv = tl.load(x_ptr + tok[:, None] * stride_x + c[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        so = s.to(tl.int64)[:, None] * H + c[None, :]
-        su = tl.load(su_ptr + e[:, None] * su_se + c[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        yu = _fwht128(xv * (su * HAD_SCALE_C), BR)
-        tl.store(xs_ptr + two * stride_xsp + so, yu.to(tl.float16), mask=smask[:, None])
-        if two != 0:
-            sg = tl.load(sg_ptr + e[:, None] * sg_se + c[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-            yg = _fwht128(xv * (sg * HAD_SCALE_C), BR)
-            tl.store(xs_ptr + so, yg.to(tl.float16), mask=smask[:, None])
-        if tl.program_id(1) == 0:
-            tl.store(pos_ptr + tl.where(live, r, 0), s, mask=live)
+        if tl.max(live.to(tl.int32), axis=0) > 0:      # padding-only programs write nothing
+            tok = tl.where(live, r // k, 0).to(tl.int64)
+            e = tl.load(blk_ptr + s // BLOCK_M, mask=smask, other=0).to(tl.int64)
+            e = tl.maximum(e, 0)
+            xv = tl.load(x_ptr + tok[:, None] * stride_x + c[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            so = _slot_offsets(s, c, H, FRAG)
+            su = tl.load(su_ptr + e[:, None] * su_se + c[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            yu = _fwht128(xv * (su * HAD_SCALE_C), BR)
+            tl.store(xs_ptr + two * stride_xsp + so, yu.to(tl.float16), mask=smask[:, None])
+            if two != 0:
+                sg = tl.load(sg_ptr + e[:, None] * sg_se + c[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+                yg = _fwht128(xv * (sg * HAD_SCALE_C), BR)
+                tl.store(xs_ptr + so, yg.to(tl.float16), mask=smask[:, None])
+            if tl.program_id(1) == 0:
+                tl.store(pos_ptr + tl.where(live, r, 0), s, mask=live)
 
     @triton.jit(do_not_specialize=["slots", "splits", "numel"])
     def _moe_mid_kernel(z_ptr, routes_ptr, blk_ptr, npad_ptr, gsv_ptr, usv_ptr, dsu_ptr, h_ptr,
                         slots, numel, I, splits, stride_zs, stride_zp, g_se, u_se, d_se,
-                        GATED: tl.constexpr, BR: tl.constexpr, SB: tl.constexpr, BLOCK_M: tl.constexpr):
+                        GATED: tl.constexpr, BR: tl.constexpr, SB: tl.constexpr, BLOCK_M: tl.constexpr,
+                        FRAG: tl.constexpr = 0, PDL: tl.constexpr = False):
         """h'[s, cols] = ((silu(g)·u) ⊙ down_suh[e])·H (ungated: silu(u)), g/u = (Σ_split z)·H ⊙ svh[e];
-        padding slots get zero rows without reading their partials, nothing past ``num_padded``."""
+        padding slots get zero rows without reading their partials (none in a program of padding slots only,
+        see the pre-pass), nothing past ``num_padded``. ``FRAG``:
+        h' in the down launch's fragment order (:func:`_slot_offsets`)."""
+        _pdl_start(PDL)
         s, c, smask = _slot_block(npad_ptr, slots, BR)
         live = smask & (tl.load(routes_ptr + s, mask=smask, other=numel) < numel)
-        e = tl.maximum(tl.load(blk_ptr + s // BLOCK_M, mask=live, other=0), 0).to(tl.int64)
-        offs = s.to(tl.int64)[:, None] * I + c[None, :]
-        m2 = live[:, None]
-        if GATED:
-            zu_ptr = z_ptr + stride_zp
-        else:
-            zu_ptr = z_ptr
-        usv = tl.load(usv_ptr + e[:, None] * u_se + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        u = _fwht128(_sum_splits(zu_ptr, offs, m2, splits, stride_zs, SB, BR), BR) * (usv * HAD_SCALE_C)
-        if GATED:
-            gsv = tl.load(gsv_ptr + e[:, None] * g_se + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            g = _fwht128(_sum_splits(z_ptr, offs, m2, splits, stride_zs, SB, BR), BR) * (gsv * HAD_SCALE_C)
-            h = g / (1.0 + tl.exp(-g)) * u
-        else:
-            h = u / (1.0 + tl.exp(-u))
-        dsu = tl.load(dsu_ptr + e[:, None] * d_se + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        hd = _fwht128(h * (dsu * HAD_SCALE_C), BR)
-        tl.store(h_ptr + offs, hd.to(tl.float16), mask=smask[:, None])
+        if tl.max(live.to(tl.int32), axis=0) > 0:      # padding-only programs write nothing
+            e = tl.maximum(tl.load(blk_ptr + s // BLOCK_M, mask=live, other=0), 0).to(tl.int64)
+            offs = s.to(tl.int64)[:, None] * I + c[None, :]
+            m2 = live[:, None]
+            if GATED:
+                zu_ptr = z_ptr + stride_zp
+            else:
+                zu_ptr = z_ptr
+            usv = tl.load(usv_ptr + e[:, None] * u_se + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            u = _fwht128(_sum_splits(zu_ptr, offs, m2, splits, stride_zs, SB, BR), BR) * (usv * HAD_SCALE_C)
+            if GATED:
+                gsv = tl.load(gsv_ptr + e[:, None] * g_se + c[None, :], mask=m2, other=0.0).to(tl.float32)
+                g = _fwht128(_sum_splits(z_ptr, offs, m2, splits, stride_zs, SB, BR), BR) * (gsv * HAD_SCALE_C)
+                h = g / (1.0 + tl.exp(-g)) * u
+            else:
+                h = u / (1.0 + tl.exp(-u))
+            dsu = tl.load(dsu_ptr + e[:, None] * d_se + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            hd = _fwht128(h * (dsu * HAD_SCALE_C), BR)
+            tl.store(h_ptr + _slot_offsets(s, c, I, FRAG), hd.to(tl.float16), mask=smask[:, None])
 
     @triton.jit(do_not_specialize=["numel", "splits", "cap"])
     def _moe_post_kernel(z_ptr, routes_ptr, pos_ptr, blk_ptr, w_ptr, sv_ptr, y_ptr,
                          numel, k, H, splits, stride_zs, sv_se, cap,
-                         KP: tl.constexpr, SB: tl.constexpr, BLOCK_M: tl.constexpr):
+                         KP: tl.constexpr, SB: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):
         """y[t, cols] = Σ_j w[t·k + j] · ((Σ_split zd[:, slot_j, cols])·H ⊙ down_svh[e_j]) over the token's
         live routes (slot_j = pos[t·k + j], checked against sorted_routes)."""
+        _pdl_start(PDL)
         t = tl.program_id(0)
         pid_c = tl.program_id(1)
         j = tl.arange(0, KP)
