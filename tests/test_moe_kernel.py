@@ -198,12 +198,14 @@ def test_fused_passes_match_float64_loop(monkeypatch, t, k, bits, block_m, gated
 @pytest.mark.parametrize("block_m,glue", [
     (16, GlueLaunch(frag=True, pre_rows=16, pre_warps=4, mid_rows=4, mid_warps=4, mid_splits=2)),   # A fragments
     (8, GlueLaunch(frag=False, post_splits=2, post_warps=0)),                                       # row-major x'
+    (32, GlueLaunch(frag=False)),                        # row-major x', two 16-row blocks per decoded tile
 ])
 def test_fused_pass_layouts_and_launch_shapes(monkeypatch, block_m, glue):
-    """The layouts and launch shapes the defaults do not take (:func:`default_glue`: fragment order with
-    8-row blocks only) still compute the layer: x'/h' as 16-row A fragments, row-major with 8-row blocks;
-    multi-row, multi-warp programs; garbage ``torch.empty`` buffers."""
-    assert default_glue(8).frag and not default_glue(16).frag
+    """The layouts and launch shapes the defaults do not take (:func:`default_glue`: row-major x' with
+    16-row blocks, fragment order with 8-row blocks) still compute the layer: x'/h' as 16-row A fragments
+    with 16-row blocks, row-major with 8-row blocks; multi-row, multi-warp programs; garbage
+    ``torch.empty`` buffers."""
+    assert default_glue(8).frag and not default_glue(16).frag and default_glue(32).frag
     bits = (4, 3, 3)
     experts = _experts(bits, seed=7)
     w = MoEWeights.from_experts(tiers_from_bitrates(list(bits)), experts)

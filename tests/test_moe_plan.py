@@ -135,7 +135,7 @@ GEOM = LayerGeometry(hidden=H, intermediate=I, num_experts=E, top_k=TOPK, tier_s
 def test_policy_plans_and_slices():
     pol = resolve_policy(GEOM, MoESettings(max_batched=256, prefill_capacity=128), CPU)
     assert (pol.decode.max_rows, pol.decode.block_m) == (32, 8)
-    assert (pol.prefill.max_rows, pol.prefill.block_m) == (128, 32)     # 64 routes per expert: block 32
+    assert (pol.prefill.max_rows, pol.prefill.block_m) == (128, 64)
     rows = lambda m: [(s.start, s.rows, s.plan.kind) for s in pol.slices(m)]  # noqa: E731
     assert rows(1) == [(0, 1, "decode")] and rows(32) == [(0, 32, "decode")]
     assert rows(33) == [(0, 33, "prefill")]
@@ -180,9 +180,9 @@ def test_prefill_block_policy_hook_and_explicit_override():
     pol = resolve_policy(GEOM, MoESettings.from_env(256, environ={"EXL3RT_MOE_PREFILL_BLOCK_M": "48"}), CPU,
                          block_policy=hook)
     assert pol.prefill.block_m == 48 and calls == []
-    # the default hook: 16 when a full arena gives an average expert < 16 routes, 32 below 128, else 64
+    # the default hook: 16 when a full arena gives an average expert < 16 routes, 32 below 64, else 64
     many = LayerGeometry(hidden=H, intermediate=I, num_experts=256, top_k=8, tier_signature=((3, 192), (4, 64)))
-    assert [auto_prefill_block_m(many, CPU, c) for c in (33, 511, 512, 4095, 4096)] == [16, 16, 32, 32, 64]
+    assert [auto_prefill_block_m(many, CPU, c) for c in (33, 511, 512, 2047, 2048)] == [16, 16, 32, 32, 64]
     assert resolve_policy(GEOM, MoESettings(max_batched=256), CPU).prefill.block_m == 64
 
 

@@ -381,16 +381,17 @@ class GlueLaunch:
 def default_glue(block_m: int) -> GlueLaunch:
     """The passes' launch shapes for route blocks of ``block_m`` (a function of the plan, never of T: one
     specialization per plan, so a prewarm at any row count covers every T). One-warp programs throughout;
-    8-row blocks (the decode plan): one slot per mid program reading up to 16 partials at once, x'/h' in
-    fragment order. H200, 2026-12-01, hidden 6144, I 2048 / 512, 256 experts top-8, K3/K4 192/64, rows 1–512
-    (graph-timed calls, one knob at a time): the one-warp passes gave 5–10 % (mid-pass 13.8 → 4.8 µs at one
-    row); fragment order 1–3 % with 8-row blocks, 0–3 % slower with 16-row blocks; programmatic dependent
-    launch slower at 8 of 10 points (up to 13 %), so off."""
+    8-row blocks (the decode plan): one slot per mid program reading up to 16 partials at once. x'/h' in
+    fragment order for 8-row blocks and for blocks whose passes share a decoded tile between 16-row blocks
+    (:func:`pass_row_blocks` > 1), row-major for 16. H200, hidden 6144, I 2048 / 512, 256 experts top-8,
+    K3/K4 192/64 (graph-timed calls, one knob at a time): the one-warp passes gave 5–10 % at 1–32 rows
+    (mid-pass 13.8 → 4.8 µs at one row; 2026-12-01); fragment order 1–3 % with 8-row blocks, 0–2 % slower
+    with 16, and with 32/64-row blocks 5–16 % faster (I 2048, 2048 rows, block 64: 8601 vs 10221 µs; 512
+    rows, block 32: 4117 vs 4429; 2026-12-01, second run); programmatic dependent launch slower at 8 of 10
+    points (up to 13 %), so off."""
     if block_m <= 8:
         return GlueLaunch(mid_rows=1, mid_splits=16, frag=True)
-    return GlueLaunch()
-
-
+    return GlueLaunch(frag=pass_row_blocks(block_m) > 1)
 
 
 def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MoEWeights, block_m: int,

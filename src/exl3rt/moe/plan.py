@@ -126,16 +126,16 @@ BlockPolicy = Callable[[LayerGeometry, DeviceFacts, int], int]
 
 def auto_prefill_block_m(geometry: LayerGeometry, facts: DeviceFacts, capacity: int) -> int:
     """The automatic prefill block from the routes an average expert gets in a full arena
-    (``capacity·top_k / E``): 16 below 16 routes, 32 below 128, else 64. Larger blocks decode each
-    weight tile once for more routes (the tiered launch shares a decoded tile between the 16-row blocks
-    of a pass) but pad more. H200, 2026-12-01, hidden 6144, I 2048, 256 experts top-8 (routes per
-    expert = rows / 32), graph-timed calls: 128 rows 3349 µs (block 16) / 4066 (32) / 6608 (64); 512 rows
-    5071 / 4379 / 6841; 2048 rows 14597 / 10527 / 10214; I = 512 alike.
+    (``capacity·top_k / E``): 16 below 16 routes, 32 below 64, else 64. Larger blocks decode each weight
+    tile once for more routes (the tiered launch shares a decoded tile between the 16-row blocks of a
+    pass) but pad more. H200, 2026-12-01, hidden 6144, I 2048, 256 experts top-8 (routes per expert =
+    rows / 32), graph-timed calls with the passes' defaults: 128 rows 3364 µs (block 16) / 3788 (32);
+    512 rows 4117 (32); 2048 rows 9904 (32) / 8601 (64); I = 512 alike (2048 rows 3286 / 3201).
     """
     routes_per_expert = capacity * geometry.top_k / geometry.num_experts
     if routes_per_expert < TINY_PREFILL_BLOCK_M:
         return TINY_PREFILL_BLOCK_M
-    return SMALL_PREFILL_BLOCK_M if routes_per_expert < 2 * DEFAULT_PREFILL_BLOCK_M else DEFAULT_PREFILL_BLOCK_M
+    return SMALL_PREFILL_BLOCK_M if routes_per_expert < DEFAULT_PREFILL_BLOCK_M else DEFAULT_PREFILL_BLOCK_M
 
 
 @dataclasses.dataclass(frozen=True)
