@@ -30,7 +30,8 @@ from exl3rt.kernels import linear as kl  # noqa: E402
 M = kl.MmaConfig
 CANDIDATES = {
     "small": [("gemv", None), ("mma", M(4, 1, 4224)), ("mma", M(2, 1, 8448)), ("mma", M(4, 1, 8448)),
-              ("mma", M(2, 2, 4224)), ("mma", M(4, 2, 2112)), ("mma", M(2, 4, 2112)), ("mma", M(8, 1, 2112))],
+              ("mma", M(2, 2, 4224)), ("mma", M(4, 2, 2112)), ("mma", M(2, 4, 2112)), ("mma", M(8, 1, 2112)),
+              ("mma", M(2, 1, 4224)), ("mma", M(4, 1, 3584)), ("mma", M(4, 1, 4224, swap=True))],
     "large": [("decode_mm", None), ("mma", M(8, 1, 2112)), ("mma", M(4, 1, 4224))],
 }
 
@@ -62,6 +63,8 @@ def main(argv=None):
             if path == "mma" and r > 64:
                 continue
             if path == "gemv" and r > kl.GEMV_MAX_ROWS:
+                continue
+            if cfg is not None and cfg.swap and r > 8:     # the swapped operands take at most 8 rows
                 continue
             kw = {"path": path, "mma_cfg": cfg}
             t0 = time.time()
