@@ -74,7 +74,9 @@ if HAVE_TRITON:
                   KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, False, MB, SWAP, False, _unroll_for(KA, HALF),
                   XFRAG)
 
-    @triton.jit(do_not_specialize=["rows", "one"])
+    # k_per follows from the row count (the split-K target counts route blocks): no specialization on it,
+    # or a prewarm at one row count would not cover another
+    @triton.jit(do_not_specialize=["rows", "one", "k_per"])
     def _moe_mma_kernel(x_ptr, z_ptr, blk_ptr, desc_ptr, npad_ptr, w0, w1, w2, w3, v0, v1, v2, v3, rows, k_tiles,
                         n_tiles, k_per, stride_x, stride_zs, one, n_blocks, stride_xp, stride_zp,
                         SHIFT: tl.constexpr, NTIERS: tl.constexpr,
@@ -136,6 +138,12 @@ if HAVE_TRITON:
                     if tier == 3:
                         _tier_pass(x_ptr, w3, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
                                    K3A, K3H, CB, MULT, ADD, NT, WARPS, N3, ASM, BLOCK_M <= 8, XFRAG, MB)
+
+
+def default_target_programs(device: torch.device) -> int:
+    """The split-K target of a tiered launch: :data:`TARGET_PROGRAMS` on a GPU, 0 (no split) in the CPU
+    interpreter, where programs are what costs."""
+    return TARGET_PROGRAMS if device.type == "cuda" else 0
 
 
 def frag_blocks(block_m: int) -> int:
@@ -204,7 +212,7 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
         ntw //= 2
     warps = min(num_warps, ntw)
     if target_programs is None:
-        target_programs = TARGET_PROGRAMS if xs.device.type == "cuda" else 0
+        target_programs = default_target_programs(xs.device)
     n_blocks, max_blocks = n_tiles // ntw, int(block_experts.shape[0])
     tier_bits = [bits_from_trellis(tr[0]) for tr in tier_trellis]
     splits, k_per = gemv_splits(k_tiles, nproj * n_blocks * max_blocks, target_programs,

@@ -5,9 +5,11 @@ stacks of the trellis, rotation tables in combined order, descriptors): ``layer.
 ``MoEWeights`` or one ``{"gate_proj", "up_proj", "down_proj"} -> EXL3 linear`` dict per global expert.
 ``run`` packs the routes with the plan's ``block_m`` and runs :func:`~exl3rt.kernels.moe.exl3_moe` (fused
 passes: pack, pre, gate+up, mid, down, post) into the runtime's output rows.
-``warmup(rows, ids_dtype)`` compiles the launch's kernel specializations on a one-expert-per-tier
-dummy layer of the same geometry (K per tier, H, I, descriptor width, block_m) — the specializations
-never depend on the expert count or the row count — and returns how many kernel launches it made.
+``warmup(rows, ids_dtype)`` compiles the launch's kernel specializations on a dummy layer of the same
+geometry (K per tier, H, I, expert count, descriptor width, block_m; every expert of a tier shares one
+stack entry) — no specialization depends on the row count within a bucket or on the weights — and returns
+how many kernel launches it made (``tests/test_moe_kernel.py`` records every launch's specialization key
+and checks that real calls at every row count meet only warmed ones).
 """
 
 from __future__ import annotations
@@ -42,33 +44,40 @@ class TritonMoELaunch:
         if len(experts) != layer.layout.num_experts or not all(isinstance(e, dict) for e in experts):
             raise ValueError(f"{layer.name}: the Triton MoE launch needs MoEWeights or one dict of "
                              f"gate_proj/up_proj/down_proj EXL3 linears per expert ({layer.layout.num_experts})")
-        return MoEWeights.from_experts(layer.layout, experts)
+        w = MoEWeights.from_experts(layer.layout, experts)
+        got = (int(w.up[0].shape[1]) * 16, int(w.up[0].shape[2]) * 16)
+        if got != (self.key.hidden, self.key.intermediate):
+            raise ValueError(f"{layer.name}: the experts are {got[0]} -> {got[1]} (padded) but the layer was planned "
+                             f"for hidden {self.key.hidden}, intermediate {self.key.intermediate}")
+        return w
 
     def _dummy(self) -> Any:
-        """One expert per tier at this key's geometry (random codes, unit scales)."""
+        """A layer of this key's geometry and expert count in which every expert of a tier shares the tier's
+        one stack entry (random codes, unit broadcast scales): the kernels see the real E (the packer
+        specializes on it), tiers, widths and descriptor shift, at the memory of one expert per tier."""
         from ..kernels.moe import MoEWeights
         k, dev = self.key, torch.device(self.key.device)
         tiers = [bits for bits, _ in k.tier_signature]
         shift = DESCRIPTOR_NARROW_SHIFT if max(n for _, n in k.tier_signature) <= (1 << DESCRIPTOR_NARROW_SHIFT) \
             else DESCRIPTOR_WIDE_SHIFT
+        desc = [t << shift for t, (_, n) in enumerate(k.tier_signature) for _ in range(n)]   # local 0 of each tier
 
         def stack(i: int, o: int) -> list[torch.Tensor]:
             return [torch.randint(-32768, 32768, (1, i // 16, o // 16, words16_per_tile(b)), dtype=torch.int16,
                                   device=dev) for b in tiers]
-        ones = lambda n: torch.ones(len(tiers), n, device=dev)  # noqa: E731
+        ones = lambda n: torch.ones(1, n, device=dev)  # noqa: E731
         return MoEWeights(up=stack(k.hidden, k.intermediate), down=stack(k.intermediate, k.hidden),
                           gate=stack(k.hidden, k.intermediate),
                           up_suh=ones(k.hidden), up_svh=ones(k.intermediate), down_suh=ones(k.intermediate),
                           down_svh=ones(k.hidden), gate_suh=ones(k.hidden), gate_svh=ones(k.intermediate),
-                          descriptors=torch.tensor([t << shift for t in range(len(tiers))], dtype=torch.int32,
-                                                   device=dev),
-                          shift=shift, expert_map=torch.arange(len(tiers), device=dev),
+                          descriptors=torch.tensor(desc, dtype=torch.int32, device=dev),
+                          shift=shift, expert_map=torch.arange(len(desc), dtype=torch.int32, device=dev),
                           codebook=next((c for c in k.codebooks if c), "mcg"))
 
     def warmup(self, rows: int, ids_dtype: torch.dtype) -> int:
         from ..kernels.moe import PACK_MAX_ROUTES, exl3_moe, fused_glue_supported
         w = self._dummy()
-        n = len(w.up)
+        n = w.num_experts
         dev = torch.device(self.key.device)
         ids = (torch.arange(rows * self.plan.top_k, device=dev) % n).reshape(rows, self.plan.top_k).to(ids_dtype)
         x = torch.zeros(rows, self.key.hidden, dtype=self.key.x_dtype, device=dev)
