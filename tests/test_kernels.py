@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kernel_env import DEV, require_kernels
+from spec_keys import record
 
 require_kernels()
 
@@ -180,6 +181,28 @@ def test_dispatch_and_prewarm_buckets():
         assert {kl.specialization(r, bits) for r in range(1, 300)} <= {kl.specialization(r, bits) for r in kl.PREWARM_ROWS}
     # 9-16 rows above K = 4: four tiles per warp (the one-k-tile loop), two at K <= 4
     assert [kl.default_mma_config(r, b).nt for r, b in ((12, 4), (12, 4.5), (16, 6), (8, 6), (17, 6))] == [2, 4, 4, 4, 4]
+
+
+@pytest.mark.parametrize("in_p,out_p,bits,codebook", [(256, 384, 3, "mcg"), (384, 256, 6, "3inst"), (512, 256, 2.5, "mul1")])
+def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch, in_p, out_p, bits, codebook):
+    """``prewarm`` (one call per row bucket on random codes of the layer's shape) records a superset of the
+    kernel specializations that ``exl3_linear`` meets at every row count from 1 to 80 (every mma
+    configuration and decode_mm), in bf16 and fp16 — nothing compiles lazily after it. Kernels are replaced by
+    recorders of Triton's specialization key (nothing runs)."""
+    from exl3rt.kernels import gemv, hadamard, mma
+    targets = [(hadamard, "_had_kernel"), (mma, "_mma_kernel"), (gemv, "_decode_kernel"), (gemv, "_gemv_kernel")]
+    real, warm = set(), set()
+    tr, suh, svh = _codes(in_p, out_p, bits, seed=4)
+    record(monkeypatch, targets, real)
+    for dtype in (torch.bfloat16, torch.float16):
+        for rows in range(1, 81):
+            kl.exl3_linear(torch.randn(rows, in_p).to(dtype).to(DEV), tr, suh, svh, codebook)
+    record(monkeypatch, targets, warm)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert kl.prewarm([(in_p, out_p, bits, codebook)], device=DEV, dtype=dtype) == len(kl.PREWARM_ROWS)
+    assert {k[0] for k in real} == {"_had_kernel", "_mma_kernel", "_decode_kernel"}
+    missing = real - warm
+    assert not missing, f"{len(missing)} specializations met only by real calls, e.g. {sorted(missing)[0]}"
 
 
 @pytest.mark.parametrize("rows", [1, 3, 20])

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_env import DEV, require_kernels
+from spec_keys import record
 
 require_kernels()
 
@@ -132,34 +133,6 @@ def test_triton_launch_through_the_runtime_matches_the_reference_launch():
     assert launch.warmup(2, torch.int32) == 6 and (2, torch.int32) in launch.warmed
 
 
-class _SpecRecorder:
-    """Stands in for a Triton kernel: records each launch's specialization key (what Triton compiles
-    separately: constexprs and launch options, tensor dtypes and 16-byte alignment, ints by ``== 1`` and
-    ``% 16 == 0`` except ``do_not_specialize`` ones) and runs nothing."""
-
-    def __init__(self, kernel, keys: set):
-        self.kernel, self.keys = kernel, keys
-        dns = getattr(kernel, "kwargs", {}).get("do_not_specialize") or getattr(kernel, "do_not_specialize", ())
-        names = list(kernel.arg_names)
-        self.skip = {names[d] if isinstance(d, int) else d for d in dns}
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            key = [self.kernel.fn.__name__]
-            for name, a in zip(self.kernel.arg_names, args):
-                if name in self.skip:
-                    continue
-                if isinstance(a, torch.Tensor):
-                    key.append((name, str(a.dtype), a.data_ptr() % 16 == 0))
-                elif isinstance(a, bool) or not isinstance(a, int):
-                    key.append((name, repr(a)))
-                else:
-                    key.append((name, a == 1, a % 16 == 0))
-            key += sorted((n, repr(v)) for n, v in kwargs.items())
-            self.keys.add(tuple(key))
-        return launch
-
-
 def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch):
     """Prewarm (``warm_layer``: every plan, row bucket and id dtype, on the launch's dummy layer) records
     a superset of the kernel specializations that real calls of the layer make at every row count from 1 to
@@ -171,15 +144,13 @@ def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch):
     warm, real = set(), set()
     names = [(km, "_moe_mma_kernel"), (mg, "_moe_pack_kernel"), (mg, "_moe_pre_kernel"), (mg, "_moe_mid_kernel"),
              (mg, "_moe_post_kernel")]
-    originals = {n: getattr(mod, n) for mod, n in names}
     bits = (3,) * 13 + (4,) * 7
     experts = _experts(bits, h=1024, i=512, seed=12)
     layout = tiers_from_bitrates(list(bits), layer="model.layers.0.mlp.experts")
     settings = MoESettings(max_batched=48, max_decode_m=8)
     layer = MoELayerRuntime(layout.layer, layout, experts, hidden=1024, intermediate=512, top_k=4, settings=settings,
                             cache=MoERuntimeCache(triton_launch_factory), owner=Owner.of(SimpleNamespace(), layout.layer))
-    for mod, n in names:
-        monkeypatch.setattr(mod, n, _SpecRecorder(originals[n], real))
+    record(monkeypatch, names, real)
     # split K as on a GPU, with a target small enough that the splits (and k-tiles per split) vary with the rows
     # at this small geometry, as they do at real ones with the real target
     monkeypatch.setattr(km, "default_target_programs", lambda device: 300)
@@ -189,8 +160,7 @@ def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch):
             ids = torch.stack([torch.randperm(len(bits), generator=g)[:4] for _ in range(t)]).to(dt).to(DEV)
             layer(torch.randn(t, 1024, generator=g).to(DEV), ids, torch.rand(t, 4, generator=g).to(DEV))
     assert layer.planned and {r.policy.prefill.block_m for r in layer.runtimes()} == {16}
-    for mod, n in names:
-        monkeypatch.setattr(mod, n, _SpecRecorder(originals[n], warm))
+    record(monkeypatch, names, warm)
     assert warm_layer(layer, set()) > 0
     assert {k[0] for k in real} == {n for _, n in names}
     missing = real - warm
