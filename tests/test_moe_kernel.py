@@ -136,8 +136,8 @@ def test_triton_launch_through_the_runtime_matches_the_reference_launch():
 def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch):
     """Prewarm (``warm_layer``: every plan, row bucket and id dtype, on the launch's dummy layer) records
     a superset of the kernel specializations that real calls of the layer make at every row count from 1 to
-    max_batched, decode and prefill plans, both id dtypes — no kernel compiles lazily under traffic (the
-    reference system's prewarm bug). The kernels are replaced by recorders (nothing runs)."""
+    max_batched, decode and prefill plans (the prefill plan's route block differs between its row buckets),
+    both id dtypes — no kernel compiles lazily under traffic (the reference system's prewarm bug). The kernels are replaced by recorders (nothing runs)."""
     from exl3rt.kernels import moe as km
     from exl3rt.kernels import moe_glue as mg
     from exl3rt.moe.prewarm import warm_layer
@@ -147,7 +147,7 @@ def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch):
     bits = (3,) * 13 + (4,) * 7
     experts = _experts(bits, h=1024, i=512, seed=12)
     layout = tiers_from_bitrates(list(bits), layer="model.layers.0.mlp.experts")
-    settings = MoESettings(max_batched=48, max_decode_m=8)
+    settings = MoESettings(max_batched=96, max_decode_m=8)
     layer = MoELayerRuntime(layout.layer, layout, experts, hidden=1024, intermediate=512, top_k=4, settings=settings,
                             cache=MoERuntimeCache(triton_launch_factory), owner=Owner.of(SimpleNamespace(), layout.layer))
     record(monkeypatch, names, real)
@@ -156,10 +156,11 @@ def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch):
     monkeypatch.setattr(km, "default_target_programs", lambda device: 300)
     g = torch.Generator().manual_seed(0)
     for dt in (torch.int32, torch.int64):
-        for t in range(1, 49):
+        for t in range(1, 97):
             ids = torch.stack([torch.randperm(len(bits), generator=g)[:4] for _ in range(t)]).to(dt).to(DEV)
             layer(torch.randn(t, 1024, generator=g).to(DEV), ids, torch.rand(t, 4, generator=g).to(DEV))
-    assert layer.planned and {r.policy.prefill.block_m for r in layer.runtimes()} == {16}
+    pre = layer.runtimes()[0].policy.prefill
+    assert pre.block_m == 32 and [pre.block_for(m) for m in (9, 64, 65, 96)] == [16, 16, 32, 32]   # per bucket
     record(monkeypatch, names, warm)
     assert warm_layer(layer, set()) > 0
     assert {k[0] for k in real} == {n for _, n in names}

@@ -173,16 +173,26 @@ def test_prefill_block_policy_hook_and_explicit_override():
         return 32
 
     pol = resolve_policy(GEOM, MoESettings(max_batched=256), CPU, block_policy=hook)
-    assert pol.prefill.block_m == 32 and not pol.prefill_block_explicit and calls == [(GEOM, CPU, 256)]
+    # once for the arena (256 rows), once per other row bucket of the plan (33-64, 65-128)
+    assert pol.prefill.block_m == 32 and not pol.prefill_block_explicit
+    assert calls == [(GEOM, CPU, 256), (GEOM, CPU, 64), (GEOM, CPU, 128)]
+    assert [pol.prefill.block_for(m) for m in (33, 64, 65, 200, 256)] == [32] * 5
     calls.clear()
     pol = resolve_policy(GEOM, MoESettings(max_batched=256, prefill_block_m=64), CPU, block_policy=hook)
     assert pol.prefill.block_m == 64 and pol.prefill_block_explicit and calls == []
+    assert pol.prefill.bucket_blocks == () and pol.prefill.block_for(40) == 64      # explicit: every call
     pol = resolve_policy(GEOM, MoESettings.from_env(256, environ={"EXL3RT_MOE_PREFILL_BLOCK_M": "48"}), CPU,
                          block_policy=hook)
     assert pol.prefill.block_m == 48 and calls == []
     # the default hook: 16 when a full arena gives an average expert < 16 routes, 32 below 64, else 64
     many = LayerGeometry(hidden=H, intermediate=I, num_experts=256, top_k=8, tier_signature=((3, 192), (4, 64)))
     assert [auto_prefill_block_m(many, CPU, c) for c in (33, 511, 512, 2047, 2048)] == [16, 16, 32, 32, 64]
+    # a large arena: calls get their own bucket's block (the arena's 64 sizes the route capacity)
+    pre = resolve_policy(many, MoESettings(max_batched=8192), CPU).prefill
+    assert pre.block_m == 64 and pre.route_capacity == 8192 * 8 + 256 * 63
+    assert [pre.block_for(m) for m in (33, 100, 257, 600, 1500, 2048, 5000, 8192)] == [16, 16, 32, 32, 64, 64, 64, 64]
+    with pytest.raises(PlanError, match="at most the arena's block"):
+        resolve_policy(many, MoESettings(max_batched=8192), CPU, block_policy=lambda g, f, c: 64 if c < 8192 else 32)
     assert resolve_policy(GEOM, MoESettings(max_batched=256), CPU).prefill.block_m == 64
 
 

@@ -124,7 +124,8 @@ MOE_MAX_DECODE_M: EnvVar[int] = EnvVar(
 
 MOE_PREFILL_BLOCK_M: EnvVar[Optional[int]] = EnvVar(
     "EXL3RT_MOE_PREFILL_BLOCK_M", None, _positive_int,
-    "MoE: prefill route block; unset = automatic (64, or 32 where the policy picks it), set = exactly this")
+    "MoE: prefill route block; unset = automatic (16, 32 or 64 by the routes per expert of each row bucket), "
+    "set = exactly this for every prefill call")
 
 MOE_PREFILL_CAPACITY: EnvVar[Optional[int]] = EnvVar(
     "EXL3RT_MOE_PREFILL_CAPACITY", None, _positive_int,

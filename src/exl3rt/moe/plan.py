@@ -12,9 +12,12 @@ forward may carry, e.g. a server's max batched tokens):
 - ``m > max_batched`` is an error (the arenas were sized for ``max_batched``).
 
 The prefill block is 64 unless set. When it is not set, an automatic policy (a hook,
-:func:`auto_prefill_block_m` by default) may choose another block from the layer's geometry and
-the device; an explicit setting (argument or ``EXL3RT_MOE_PREFILL_BLOCK_M``) always wins and the
-hook is not consulted. Everything here is resolved once per layer (:func:`resolve_policy`).
+:func:`auto_prefill_block_m` by default) chooses the block from the layer's geometry, the device and
+a row count: once for the arena (``capacity``: the plan's ``block_m``, which sizes its route capacity)
+and once per row bucket of the plan (``Plan.block_for``: a call of 100 rows in an arena of 8192 runs
+with the block for 128 rows, not the arena's); an explicit setting (argument or
+``EXL3RT_MOE_PREFILL_BLOCK_M``) always wins, for every call, and the hook is not consulted. Everything
+here is resolved once per layer (:func:`resolve_policy`).
 """
 
 from __future__ import annotations
@@ -149,6 +152,13 @@ class Plan:
     num_experts: int
     #: smallest row count this plan receives (decode: 1; prefill: max_decode_m + 1, or 1 when it slices)
     min_rows: int = 1
+    #: automatic prefill blocks: ``(bucket, block_m)`` per row bucket (empty: ``block_m`` for every call)
+    bucket_blocks: tuple[tuple[int, int], ...] = ()
+
+    def block_for(self, rows: int) -> int:
+        """The route block a call of ``rows`` rows runs with: its bucket's automatic block, else ``block_m``
+        (a function of the bucket, so a prewarm per bucket meets every call's kernels)."""
+        return dict(self.bucket_blocks).get(self.bucket(rows), self.block_m) if self.bucket_blocks else self.block_m
 
     @property
     def route_capacity(self) -> int:
@@ -243,6 +253,15 @@ def resolve_policy(geometry: LayerGeometry, settings: MoESettings, facts: Device
                 raise PlanError(f"prefill block policy returned block_m={block_m}; it must be positive")
         min_rows = 1 if max_batched > capacity else max_decode_m + 1
         prefill = Plan("prefill", capacity, block_m, geometry.top_k, geometry.num_experts, min_rows=min_rows)
+        if not explicit:    # each bucket's calls get the block the policy picks for that many rows
+            pairs = []
+            for b in prefill.row_buckets():
+                bb = block_m if b == capacity else int(block_policy(geometry, facts, b))
+                if bb <= 0 or bb > block_m:
+                    raise PlanError(f"prefill block policy returned block_m={bb} for {b} rows; it must be positive "
+                                    f"and at most the arena's block ({block_m} at {capacity} rows)")
+                pairs.append((b, bb))
+            prefill = dataclasses.replace(prefill, bucket_blocks=tuple(pairs))
     return PlanPolicy(geometry=geometry, facts=facts, max_batched=max_batched, decode=decode, prefill=prefill,
                       prefill_block_explicit=explicit)
 

@@ -277,8 +277,10 @@ class MoELayerRuntime:
             facts = self.cache.device_facts(device)
             self.policy = resolve_policy(self.geometry, self.settings, facts, block_policy=self.block_policy)
             if self.policy.prefill is not None:
-                log.info("%s: prefill block_m=%d (%s)", self.name, self.policy.prefill.block_m,
-                         "explicit" if self.policy.prefill_block_explicit else "automatic policy")
+                pre = self.policy.prefill
+                log.info("%s: prefill block_m=%d (%s)", self.name, pre.block_m,
+                         "explicit" if self.policy.prefill_block_explicit else
+                         "automatic policy; per row bucket " + ", ".join(f"{b}: {m}" for b, m in pre.bucket_blocks))
         return self.policy
 
     def plan(self, device: torch.device | str, x_dtype: torch.dtype,

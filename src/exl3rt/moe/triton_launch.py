@@ -81,7 +81,7 @@ class TritonMoELaunch:
         dev = torch.device(self.key.device)
         ids = (torch.arange(rows * self.plan.top_k, device=dev) % n).reshape(rows, self.plan.top_k).to(ids_dtype)
         x = torch.zeros(rows, self.key.hidden, dtype=self.key.x_dtype, device=dev)
-        exl3_moe(x, ids, torch.ones(rows, self.plan.top_k, device=dev), w, block_m=self.plan.block_m)
+        exl3_moe(x, ids, torch.ones(rows, self.plan.top_k, device=dev), w, block_m=self.plan.block_for(rows))
         self.warmed.add((rows, ids_dtype))
         # fused: [pack,] pre, gate+up, mid, down, post (one pre-pass kernel serves shared and separate
         # gate/up input rotations; nothing specializes on T but the packer's two sort widths) | torch glue:
@@ -93,7 +93,7 @@ class TritonMoELaunch:
     def run(self, binding: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             out: torch.Tensor) -> None:
         from ..kernels.moe import exl3_moe
-        exl3_moe(x, topk_ids, topk_weights, binding, block_m=self.plan.block_m, out=out)
+        exl3_moe(x, topk_ids, topk_weights, binding, block_m=self.plan.block_for(x.shape[0]), out=out)
 
 
 def triton_launch_factory(key: RuntimeKey, plan: Plan, arena: ScratchArena) -> TritonMoELaunch:
