@@ -9,8 +9,10 @@ random routing (top-k distinct experts per token, softmax weights). Per row coun
 (fused passes: pre, gate+up, mid, down, post launches after route packing; ``--unfused``: the torch
 glue around one tiered launch per projection), the same tiers run one after the other (one launch per tier
 and projection), and an all-K4 layer of the same shape, each the median of
-``--iters`` CUDA-graph replays (one graph per routing input, rotated) timed with CUDA events. Before timing, the mixed layer is checked at 2 rows against dense float32 weights from
-``format.reconstruct`` for the routed experts. bf16 anchors are issue 6's (``torch._grouped_mm``,
+``--iters`` CUDA-graph replays (one graph per routing input, rotated) timed with CUDA events. Before timing, the mixed
+layer is checked at 2 rows against dense float32 weights from ``format.reconstruct`` for the routed experts, with route
+blocks of 8, 16, 32 and 64 (every tiered-launch layout: swapped 8-row fragments, row-major 16-row passes, 2 and 4 row
+blocks per decoded tile in fragment order). bf16 anchors are issue 6's (``torch._grouped_mm``,
 H200, 2026-11-30). Prints a table and writes JSON.
 """
 
@@ -84,10 +86,13 @@ def routing(rows, e, k, dev, seed):
     return ids, w
 
 
-def check(w, layout, h, dev, fused=True):
+CHECK_BLOCKS = (8, 16, 32, 64)   # the decode plan's block, and the prefill blocks (row-major, fragment order)
+
+
+def check(w, layout, h, dev, fused=True, block_m=16):
     x = torch.randn(2, h, device=dev, dtype=torch.bfloat16)
     ids, wts = routing(2, layout.num_experts, 2, dev, seed=5)
-    y = exl3_moe(x, ids, wts, w, fused=fused).float()
+    y = exl3_moe(x, ids, wts, w, fused=fused, block_m=block_m).float()
     ref = torch.zeros(2, h, device=dev)
     c_of = layout.global_to_combined
     for t in range(2):
@@ -206,8 +211,10 @@ def main(argv=None):
     res = {"commit": commit(), "device": torch.cuda.get_device_name(0), "hidden": h, "inter": i,
            "experts": args.experts, "topk": args.topk, "tiers": args.tiers, "fused": not args.unfused, "rows": []}
     fused = not args.unfused
-    res["check_rel"] = check(mixed, layout, h, dev, fused)
-    print(f"check (2 rows vs float32 reconstruct): rel {res['check_rel']:.2e}", flush=True)
+    res["check_rel_by_block"] = {bm: check(mixed, layout, h, dev, fused, bm) for bm in CHECK_BLOCKS}
+    res["check_rel"] = max(res["check_rel_by_block"].values())
+    print("check (2 rows vs float32 reconstruct, per route block): "
+          + ", ".join(f"{bm}: {e:.2e}" for bm, e in res["check_rel_by_block"].items()), flush=True)
     k4, _ = build(h, i, [4] * args.experts, dev, seed=1)
     serial = split_tiers(mixed, layout)
     bf = None if args.no_bf16 else Bf16MoE(args.experts, h, i, dev)
