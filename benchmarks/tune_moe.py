@@ -5,7 +5,7 @@ tiered launches' split-K target, and the prefill route block with its x' layout.
     python benchmarks/tune_moe.py --sweep blocks --rows 128 512 2048
 
 ``--sweep passes`` (per row count, route block from the runtime's plans): one knob at a time, keeping a value
-only when it is ≥ 1 % faster — programmatic dependent launch, fragment-order x', the mid-pass (slots per
+only when it is ≥ 1 % faster — fragment-order x', the mid-pass (slots per
 program, warps, partials per load), the post-pass (partials per load, warps), the pre-pass (slots, warps),
 ``target_programs`` — starting from :func:`exl3rt.kernels.moe.default_glue`. ``--sweep blocks``: route
 block 16 / 32 / 64, each with row-major and fragment-order x'. Every point is the median of graph-timed
@@ -40,7 +40,6 @@ def _glue(field_names):
 
 
 KNOBS = [
-    ("pdl", [False, True], _glue(["pdl"])),
     ("frag", [True, False], _glue(["frag"])),
     ("mid (rows, warps, splits/load)", [(1, 1, 16), (2, 1, 8), (4, 1, 8), (4, 4, 4)],
      _glue(["mid_rows", "mid_warps", "mid_splits"])),

@@ -38,8 +38,8 @@ from ..format.hadamard import hadamard_blocks
 from ..moe.routing import ID_DTYPES, RoutePack, pack_routes, route_capacity
 from ..util.ints import next_pow2
 from . import mma as _mm
-from ._triton import HAVE_GDC, HAVE_TRITON, tl, triton
-from .linear import _cb_args, _kernel_bits, _pdl_args, _use_asm, gemv_splits
+from ._triton import HAVE_TRITON, tl, triton
+from .linear import _cb_args, _kernel_bits, _use_asm, gemv_splits
 
 MAX_TIERS = 4
 
@@ -55,9 +55,6 @@ MIN_SPLIT_K_TILES = 24
 #: n-tiles per program of a tiered launch. Four at every route block (H200, 2026-12-01, I 2048, 2048 rows:
 #: route block 64 with four 16-row blocks per pass 10214 µs at 4 tiles, 16938 at 2; block 32, 10527 / 15230)
 DEFAULT_NT = 4
-
-if HAVE_GDC:
-    from ._triton import gdc_wait
 
 if HAVE_TRITON:
     from .mma import _mma_pass, _unroll_for
@@ -86,18 +83,14 @@ if HAVE_TRITON:
                         K3A: tl.constexpr, K3H: tl.constexpr, N3: tl.constexpr,
                         CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr, NT: tl.constexpr,
                         WARPS: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr, NPROJ: tl.constexpr,
-                        XFRAG: tl.constexpr = False, PDL: tl.constexpr = False, MB: tl.constexpr = 1):
+                        XFRAG: tl.constexpr = False, MB: tl.constexpr = 1):
         """z[slot, :] = x'[slot, :]·Q_e for the BLOCK_M slots of route block ``program_id(1)``
         (expert e = blk[j]), the n-tiles of ``program_id(0)``, K-split ``program_id(2)`` (partials
         ``z[split]``); blocks past ``npad / BLOCK_M`` exit. NPROJ = 2: two projections of the same
         geometry in one grid (gate and up): programs ``program_id(0) >= n_blocks`` run the second
         (tiers ``v0..v3``, input ``x + stride_xp``, partials ``z + stride_zp``). ``XFRAG``: x' in fragment
         order (``stride_x`` then int32 words per row block; route blocks are whole row blocks). ``MB``: 16-row
-        blocks per pass sharing each decoded tile (``BLOCK_M`` a multiple of 16·MB). ``PDL``: wait
-        for the previous launch before anything (the expert of a block comes from the packer); no early
-        trigger (the next pass's programs would hold SMs waiting for this grid, as in the dense kernel)."""
-        if PDL:
-            gdc_wait()
+        blocks per pass sharing each decoded tile (``BLOCK_M`` a multiple of 16·MB)."""
         pid_n = tl.program_id(0)
         j = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -174,8 +167,7 @@ def _check_stacks(name: str, tier_trellis: Sequence[torch.Tensor]) -> tuple[int,
 def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], block_experts: torch.Tensor,
                     num_padded: torch.Tensor, descriptors: torch.Tensor, shift: int, block_m: int, codebook: str,
                     *, second: Optional[Sequence[torch.Tensor]] = None, nt: Optional[int] = None, num_warps: int = 1,
-                    target_programs: Optional[int] = None, zero: bool = True, xfrag: bool = False,
-                    pdl: bool = False, row_blocks: Optional[int] = None) -> torch.Tensor:
+                    target_programs: Optional[int] = None, zero: bool = True, xfrag: bool = False) -> torch.Tensor:
     """One tiered launch; returns the split-K partials ``z [P, splits, slots, out_p]`` (fp32) of
     ``xs[slot]·Q_{e(slot)}``. ``P = 1``, or 2 with ``second`` (a second projection of the same geometry
     and tier order, e.g. up next to gate, in the same launch): ``xs`` is then ``[slots, in_p]`` (both read
@@ -184,10 +176,8 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     written. K is split so that about ``target_programs`` programs run (default :data:`TARGET_PROGRAMS` on
     a GPU, each split at least about :data:`MIN_SPLIT_K_TILES` k-tiles; no split in the CPU interpreter,
     where programs are what costs). ``xfrag``: ``xs`` is in the mma's fragment
-    order (:func:`frag_blocks`; route blocks of 8 or a multiple of 16), not row-major. ``pdl``: launched
-    as a programmatic dependent launch where available (it waits for the previous launch at its start).
-    ``row_blocks``: 16-row blocks of a route block that share each decoded tile (default
-    :func:`pass_row_blocks`)."""
+    order (:func:`frag_blocks`; route blocks of 8 or a multiple of 16), not row-major. Route blocks of 32/64
+    run passes in which 2/4 16-row blocks share each decoded tile (:func:`pass_row_blocks`)."""
     name = "grouped_gemv"
     nproj = 1 if second is None else 2
     in_p = xs.shape[-1]
@@ -201,11 +191,9 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
         raise ValueError(f"{name}: xs has {in_p} columns, the trellis {k_tiles * 16} rows")
     if xs.stride(-1) != 1 or xs.stride(-2) != in_p:
         raise ValueError(f"{name}: xs must be row-contiguous")
-    if xfrag and not frag_blocks(block_m):
+    frag = frag_blocks(block_m) if xfrag else 0
+    if xfrag and not frag:
         raise ValueError(f"{name}: fragment-order x' needs route blocks of 8 or a multiple of 16, not {block_m}")
-    mb = pass_row_blocks(block_m) if row_blocks is None else int(row_blocks)
-    if mb not in (1, 2, 4) or (mb > 1 and block_m % (16 * mb)):
-        raise ValueError(f"{name}: {mb} row blocks per pass do not divide route blocks of {block_m}")
     stride_xp = xs.stride(0) if xs.dim() == 3 and xs.shape[0] > 1 else 0
     ntw = (DEFAULT_NT if nt is None else nt) * num_warps
     while n_tiles % ntw:
@@ -226,15 +214,15 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     ws += [ws[0]] * (MAX_TIERS - len(ws))
     vs = ws if second is None else [tr.view(torch.int32) for tr in second] + [ws[0]] * (MAX_TIERS - len(second))
     grid = (nproj * n_blocks, max_blocks, splits)
-    stride_x = (8 if block_m <= 8 else 16) * in_p // 2 if xfrag else in_p    # int32 per row block / fp16 per row
+    stride_x = (4 if frag == 2 else 8) * in_p if frag else in_p    # int32 per row block of 8 / 16 rows, or fp16 per row
     _moe_mma_kernel[grid](xs, z, block_experts, descriptors, num_padded, *ws, *vs, slots, k_tiles, n_tiles, k_per,
                           stride_x, z.stride(1), 1, n_blocks, stride_xp, z.stride(0), SHIFT=shift,
                           NTIERS=len(tier_trellis),
                           K0A=ks[0][0], K0H=ks[0][1], N0=nwl[0], K1A=ks[1][0], K1H=ks[1][1], N1=nwl[1],
                           K2A=ks[2][0], K2H=ks[2][1], N2=nwl[2], K3A=ks[3][0], K3H=ks[3][1], N3=nwl[3],
                           CB=cb, MULT=mult, ADD=add, NT=ntw // warps, WARPS=warps, BLOCK_M=block_m,
-                          ASM=_use_asm(xs.device), NPROJ=nproj, XFRAG=bool(xfrag), MB=mb, num_warps=warps,
-                          **(_pdl_args(xs.device) if pdl else {}))
+                          ASM=_use_asm(xs.device), NPROJ=nproj, XFRAG=bool(frag), MB=pass_row_blocks(block_m),
+                          num_warps=warps)
     return z
 
 
@@ -337,12 +325,10 @@ PACK_MAX_ROUTES = 1024
 PACK_MAX_EXPERTS = 1024
 
 
-def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor,
-                      *, pdl: bool = False) -> RoutePack:
+def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor) -> RoutePack:
     """:func:`~exl3rt.moe.routing.pack_routes` (same outputs, bit for bit) as one Triton launch when
     ``T·k <= PACK_MAX_ROUTES`` and ``E <= PACK_MAX_EXPERTS``, else the torch packer. Fresh buffers
-    (``torch.empty``: the kernel writes every element). ``pdl``: a programmatic dependent launch where
-    available (lets the next launch start early; waits for the previous one first)."""
+    (``torch.empty``: the kernel writes every element)."""
     from .moe_glue import _moe_pack_kernel
     numel, E = int(topk_ids.numel()), int(num_experts)
     if (topk_ids.dtype not in ID_DTYPES or topk_ids.dim() != 2 or not 0 < numel <= PACK_MAX_ROUTES
@@ -361,8 +347,7 @@ def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, ex
     emap = expert_map if expert_map.is_contiguous() else expert_map.contiguous()
     _moe_pack_kernel[(1,)](topk_ids.reshape(-1), emap, pack.sorted_routes, pack.block_experts, pack.num_padded,
                            pack.expert_counts, scratch, numel, int(emap.shape[0]), E, cap, pack.max_blocks,
-                           NP=np_, EP=next_pow2(E), FB=256, BLOCK_M=int(block_m), num_warps=4,
-                           **(_pdl_args(dev) if pdl else {}))
+                           NP=np_, EP=next_pow2(E), FB=256, BLOCK_M=int(block_m), num_warps=4)
     return pack
 
 
@@ -370,9 +355,8 @@ def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, ex
 class GlueLaunch:
     """Launch shapes of the fused passes (:mod:`exl3rt.kernels.moe_glue`): rows (slots) per program and
     warps of the pre- and mid-pass, split-K partials per load of the mid- and post-pass, warps of the post
-    pass (0: by top-k); whether x'/h' are written in the tiered launch's fragment order (where the route
-    block allows it, :func:`frag_blocks`) and whether the launches are programmatic dependent launches
-    (where the GPU and Triton have them). :func:`default_glue` gives the measured defaults; a tuning
+    pass (0: by top-k) and whether x'/h' are written in the tiered launch's fragment order (where the route
+    block allows it, :func:`frag_blocks`). :func:`default_glue` gives the measured defaults; a tuning
     override of :func:`exl3_moe`."""
 
     pre_rows: int = 4
@@ -383,7 +367,6 @@ class GlueLaunch:
     post_splits: int = 8
     post_warps: int = 1
     frag: bool = False
-    pdl: bool = False
 
 
 def default_glue(block_m: int) -> GlueLaunch:
@@ -395,8 +378,8 @@ def default_glue(block_m: int) -> GlueLaunch:
     K3/K4 192/64 (graph-timed calls, one knob at a time): the one-warp passes gave 5–10 % at 1–32 rows
     (mid-pass 13.8 → 4.8 µs at one row; 2026-12-01); fragment order 1–3 % with 8-row blocks, 0–2 % slower
     with 16, and with 32/64-row blocks 5–16 % faster (I 2048, 2048 rows, block 64: 8601 vs 10221 µs; 512
-    rows, block 32: 4117 vs 4429; 2026-12-01, second run); programmatic dependent launch slower at 8 of 10
-    points (up to 13 %), so off."""
+    rows, block 32: 4117 vs 4429; 2026-12-01, second run). Programmatic dependent launch between the six
+    launches was measured slower at 8 of 10 points (up to 13 %) and dropped."""
     if block_m <= 8:
         return GlueLaunch(mid_rows=1, mid_splits=16, frag=True)
     return GlueLaunch(frag=pass_row_blocks(block_m) > 1)
@@ -412,7 +395,7 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     k = int(topk_ids.shape[1])
     numel = T * k
     dev = x.device
-    pack = pack_routes_fused(topk_ids, w.num_experts, block_m, w.expert_map, pdl=glue.pdl)
+    pack = pack_routes_fused(topk_ids, w.num_experts, block_m, w.expert_map)
     slots = pack.capacity
     I = int(w.up[0].shape[2]) * 16
     if H % 128 or I % 128:
@@ -426,18 +409,16 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     xs = torch.empty((2 if two else 1, slots, H), dtype=torch.float16, device=dev)
     pos = torch.empty(max(numel, 1), dtype=torch.int32, device=dev)
     frag = frag_blocks(block_m) if glue.frag else 0
-    pdl = _pdl_args(dev) if glue.pdl else {}
     # row blocks and split loads are fixed (never a function of T): one specialization per layer geometry,
     # so a prewarm at any row count covers every T
     br = glue.pre_rows
     _moe_pre_kernel[(triton.cdiv(slots, br), H // 128)](
         x, pack.sorted_routes, pack.block_experts, pack.num_padded, up_suh, gate_suh, xs, pos,
         slots, numel, k, H, x.stride(0), _row_stride(up_suh), _row_stride(gate_suh), slots * H, int(two),
-        BR=br, BLOCK_M=block_m, FRAG=frag, num_warps=glue.pre_warps, **pdl)
+        BR=br, BLOCK_M=block_m, FRAG=frag, num_warps=glue.pre_warps)
 
     common = (pack.block_experts, pack.num_padded, w.descriptors, w.shift, block_m, w.codebook)
-    tiered = dict(nt=nt, num_warps=num_warps, target_programs=target_programs, zero=False, xfrag=frag > 0,
-                  pdl=glue.pdl)
+    tiered = dict(nt=nt, num_warps=num_warps, target_programs=target_programs, zero=False, xfrag=frag > 0)
     if gated:   # gate and up in one launch: partials zgu[0] gate, zgu[1] up
         zgu = tiered_partials(xs if two else xs[0], w.gate, *common, second=w.up, **tiered)
     else:
@@ -451,7 +432,7 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     _moe_mid_kernel[(triton.cdiv(slots, brm), I // 128)](
         zgu, pack.sorted_routes, pack.block_experts, pack.num_padded, gate_svh, up_svh, down_suh, hs, slots, numel,
         I, splits, zgu.stride(1), zgu.stride(0), _row_stride(gate_svh), _row_stride(up_svh), _row_stride(down_suh),
-        GATED=gated, BR=brm, SB=glue.mid_splits, BLOCK_M=block_m, FRAG=frag, num_warps=glue.mid_warps, **pdl)
+        GATED=gated, BR=brm, SB=glue.mid_splits, BLOCK_M=block_m, FRAG=frag, num_warps=glue.mid_warps)
 
     zd = tiered_partials(hs, w.down, *common, **tiered)[0]
     splits = int(zd.shape[0])
@@ -466,7 +447,7 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     sbp = glue.post_splits
     _moe_post_kernel[(T, H // 128)](
         zd, pack.sorted_routes, pos, pack.block_experts, wts, down_svh, y, numel, k, H, splits, zd.stride(0),
-        _row_stride(down_svh), slots, KP=kp, SB=sbp, BLOCK_M=block_m, num_warps=wp, **pdl)
+        _row_stride(down_svh), slots, KP=kp, SB=sbp, BLOCK_M=block_m, num_warps=wp)
     if out is not None and y is not out:
         out.copy_(y)
         return out

@@ -128,8 +128,9 @@ BlockPolicy = Callable[[LayerGeometry, DeviceFacts, int], int]
 
 
 def auto_prefill_block_m(geometry: LayerGeometry, facts: DeviceFacts, capacity: int) -> int:
-    """The automatic prefill block from the routes an average expert gets in a full arena
-    (``capacity·top_k / E``): 16 below 16 routes, 32 below 64, else 64. Larger blocks decode each weight
+    """The automatic prefill block from the routes an average expert gets in a call of ``capacity`` rows
+    (``capacity·top_k / E``; asked for the arena and for each row bucket): 16 below 16 routes, 32 below 64,
+    else 64. Larger blocks decode each weight
     tile once for more routes (the tiered launch shares a decoded tile between the 16-row blocks of a
     pass) but pad more. H200, 2026-12-01, hidden 6144, I 2048, 256 experts top-8 (routes per expert =
     rows / 32), graph-timed calls with the passes' defaults: 128 rows 3364 µs (block 16) / 3788 (32);
@@ -158,7 +159,8 @@ class Plan:
     def block_for(self, rows: int) -> int:
         """The route block a call of ``rows`` rows runs with: its bucket's automatic block, else ``block_m``
         (a function of the bucket, so a prewarm per bucket meets every call's kernels)."""
-        return dict(self.bucket_blocks).get(self.bucket(rows), self.block_m) if self.bucket_blocks else self.block_m
+        bucket = self.bucket(rows)
+        return next((m for b, m in self.bucket_blocks if b == bucket), self.block_m)
 
     @property
     def route_capacity(self) -> int:
