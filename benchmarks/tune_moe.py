@@ -3,12 +3,14 @@ tiered launches' split-K target, and the prefill route block with its x' layout.
 
     python benchmarks/tune_moe.py [--inter 2048] [--rows 1 8 32] [--sweep passes]
     python benchmarks/tune_moe.py --sweep blocks --rows 128 512 2048
+    python benchmarks/tune_moe.py --sweep padding --rows 128 512 2048
 
 ``--sweep passes`` (per row count, route block from the runtime's plans): one knob at a time, keeping a value
 only when it is ≥ 1 % faster — fragment-order x', the mid-pass (slots per
 program, warps, partials per load), the post-pass (partials per load, warps), the pre-pass (slots, warps),
 ``target_programs`` — starting from :func:`exl3rt.kernels.moe.default_glue`. ``--sweep blocks``: route
-block 16 / 32 / 64, each with row-major and fragment-order x'. Every point is the median of graph-timed
+block 16 / 32 / 64, each with row-major and fragment-order x'. ``--sweep padding``: the runtime's route block
+with and without ``GlueLaunch.skip_padding`` (the outputs must be bit-identical; checked). Every point is the median of graph-timed
 calls of the whole layer (``bench_moe.time_calls``: one CUDA graph per routing input, replayed in
 rotation); layer and routing as ``bench_moe.py`` (hidden 6144, 256 experts, top-8, K3/K4 192/64, MCG).
 Prints each sweep line and writes JSON.
@@ -53,7 +55,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--inter", type=int, default=2048)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--sweep", choices=["passes", "blocks"], default="passes")
+    ap.add_argument("--sweep", choices=["passes", "blocks", "padding"], default="passes")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="benchmarks/results/tune_moe.json")
     args = ap.parse_args(argv)
@@ -78,6 +80,16 @@ def main(argv=None):
                     us = timed({"glue": dataclasses.replace(default_glue(bm), frag=frag), "tp": None}, bm)
                     entry["lines"].append({"block_m": bm, "frag": frag, "us": us})
                     print(f"rows {rows}: block {bm} {'fragments' if frag else 'row-major'} {us:.0f} us", flush=True)
+        elif args.sweep == "padding":
+            bm = plan_block_m(rows, 256, 8)
+            glues = {skip: dataclasses.replace(default_glue(bm), skip_padding=skip) for skip in (True, False)}
+            ys = [exl3_moe(*inputs[0], w, block_m=bm, glue=g) for g in glues.values()]
+            if not torch.equal(*ys):
+                raise SystemExit(f"rows {rows}: skipping padding slots changed the output")
+            us = {skip: timed({"glue": g, "tp": None}, bm) for skip, g in glues.items()}
+            entry["lines"].append({"block_m": bm, "skip_us": us[True], "all_slots_us": us[False]})
+            print(f"rows {rows} (block {bm}): padding skipped {us[True]:.0f} us, every slot {us[False]:.0f} us "
+                  f"({us[False] / us[True]:.3f}x), outputs identical", flush=True)
         else:
             bm = plan_block_m(rows, 256, 8)
             cur = {"glue": default_glue(bm), "tp": None}

@@ -43,5 +43,6 @@ def record(monkeypatch, targets, keys: set) -> None:
     """Replace each ``(module, attribute)`` kernel in ``targets`` by a recorder into ``keys``."""
     for mod, name in targets:
         kernel = getattr(mod, name)
-        kernel = getattr(kernel, "kernel", kernel)          # already a recorder: wrap the real kernel
+        if isinstance(kernel, SpecRecorder):                 # already a recorder: wrap the real kernel
+            kernel = kernel.kernel
         monkeypatch.setattr(mod, name, SpecRecorder(kernel, keys))

@@ -134,11 +134,13 @@ if HAVE_TRITON:
         return out
 
     @triton.jit
-    def _load_x(xs, kv, a, MB: tl.constexpr, SWAP: tl.constexpr, XFRAG: tl.constexpr):
+    def _load_x(xs, kv, a, MB: tl.constexpr, SWAP: tl.constexpr, XFRAG: tl.constexpr, blive=None,
+                SKIP: tl.constexpr = False):
         """The lane's x' fragments of k-tile ``a`` (zero where ``kv`` is false). ``XFRAG``: x' is stored in
         fragment order (:func:`xfrag_offsets`; ``xs = (xf, bstride)``): one 16-byte (8 with SWAP) vector
         load per row block; else row-major (``xs = (xa_lo, mrow, mlo, mhi, rstride)``): 4 (2) scalar loads
-        per row block, each touching 8 rows."""
+        per row block, each touching 8 rows. ``SKIP``: row blocks ``b`` with ``blive[b]`` false load nothing
+        (fragment order only)."""
         if XFRAG:
             xf, bstride = xs
             if SWAP:
@@ -149,7 +151,11 @@ if HAVE_TRITON:
                 q4 = tl.arange(0, 4)
                 out = ()
                 for b in tl.static_range(MB):
-                    v = tl.load((xf + a * 128 + b * bstride)[:, None] + q4[None, :], mask=kv[:, None], other=0)
+                    if SKIP and b > 0:
+                        mk = kv & blive[b]
+                    else:
+                        mk = kv
+                    v = tl.load((xf + a * 128 + b * bstride)[:, None] + q4[None, :], mask=mk[:, None], other=0)
                     v02, v13 = tl.split(tl.reshape(v, [v.shape[0], 2, 2]))
                     r0, r2 = tl.split(v02)
                     r1, r3 = tl.split(v13)
@@ -181,9 +187,11 @@ if HAVE_TRITON:
     def _mma_tiles(acc, wc, xc, ac, a1, x_ptr, rsh, rsh32, xorc, mm, mmask, stride_x, r_base,
                    KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
                    ADD: tl.constexpr, NT: tl.constexpr, NWL: tl.constexpr, ASM: tl.constexpr, MB: tl.constexpr,
-                   SWAP: tl.constexpr, RB: tl.constexpr, WARPS: tl.constexpr, XFRAG: tl.constexpr = False):
+                   SWAP: tl.constexpr, RB: tl.constexpr, WARPS: tl.constexpr, XFRAG: tl.constexpr = False,
+                   blive=None, SKIP: tl.constexpr = False):
         """One k-tile ``ac`` of the NT tiles: decode each tile's words ``wc`` and multiply-accumulate with the
-        x' fragments ``xc`` (the emulation loads x' itself and masks k-tiles past ``a1``); returns the accumulators."""
+        x' fragments ``xc`` (the emulation loads x' itself and masks k-tiles past ``a1``); returns the accumulators.
+        ``SKIP``: row blocks ``b > 0`` with ``blive[b]`` false (no row of the block exists) run no mma."""
         new_acc = ()
         for s_ in tl.static_range(NT):
             raw = wc[s_]
@@ -197,9 +205,14 @@ if HAVE_TRITON:
                     nb = ()
                     for b in tl.static_range(MB):
                         x0, x1, x2, x3 = xc[b]
-                        d = acc[s_][b]
-                        d0, d1, d2, d3 = _mma(x0, x1, x2, x3, p01, p23, d[0], d[1], d[2], d[3])
-                        d4, d5, d6, d7 = _mma(x0, x1, x2, x3, p45, p67, d[4], d[5], d[6], d[7])
+                        d0, d1, d2, d3, d4, d5, d6, d7 = acc[s_][b]
+                        if SKIP and b > 0:
+                            if blive[b]:       # uniform per program: a branch around the block's two mma
+                                d0, d1, d2, d3 = _mma(x0, x1, x2, x3, p01, p23, d0, d1, d2, d3)
+                                d4, d5, d6, d7 = _mma(x0, x1, x2, x3, p45, p67, d4, d5, d6, d7)
+                        else:
+                            d0, d1, d2, d3 = _mma(x0, x1, x2, x3, p01, p23, d0, d1, d2, d3)
+                            d4, d5, d6, d7 = _mma(x0, x1, x2, x3, p45, p67, d4, d5, d6, d7)
                         nb = nb + ((d0, d1, d2, d3, d4, d5, d6, d7),)
                     new_acc = new_acc + (nb,)
             else:
@@ -245,7 +258,7 @@ if HAVE_TRITON:
                   ADD: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr,
                   ASM: tl.constexpr, KSPLIT: tl.constexpr = False, MB: tl.constexpr = 1,
                   SWAP: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 2,
-                  XFRAG: tl.constexpr = False):
+                  XFRAG: tl.constexpr = False, SKIP: tl.constexpr = False):
         """Rows ``m0 .. m0 + 16·MB − 1`` (those < ``rows``; MB 16-row blocks share each decoded tile) of ``z = x'·Q[a0·16 : a1·16, :]`` for the n-tiles of
         ``pid_n``, stored at ``zrow`` (``[rows, out_p]`` fp32); ``w_ptr`` points at Q's first tile.
 
@@ -262,7 +275,9 @@ if HAVE_TRITON:
 
         ``XFRAG``: x' is stored in fragment order (``hadamard.xfrag_offsets``, rows padded with zeros to whole
         row blocks; ``stride_x`` is then int32 words per row block): one vector load per lane, k-tile and row
-        block. ``UNROLL`` (1 or 2): k-tiles per warp and loop iteration (``default_unroll``).
+        block. ``UNROLL`` (1 or 2): k-tiles per warp and loop iteration (``default_unroll``). ``SKIP`` (MB > 1,
+        fragment order): 16-row blocks with no row below ``rows`` load no x' and run no mma (the MoE's route
+        blocks, whose padding slots fill whole 16-row blocks of a 32/64-route block).
         """
         RB: tl.constexpr = 8 if SWAP else 16                       # rows per row block
         NW: tl.constexpr = 8 * KA + 4 * HALF                      # words per tile
@@ -288,6 +303,9 @@ if HAVE_TRITON:
         for i in tl.static_range(NWL):
             wbase = wbase + (w_ptr + tile0 * NW + ((last - NWL + 1 + i + NW) % NW) * one,)
         kstride = tn_total * NW
+        blive = ()                                                # row block b has a row below ``rows``
+        for b in tl.static_range(MB):
+            blive = blive + ((m0 + RB * b) < rows,)
         if ASM:
             g = lane // 4
             c = lane % 4
@@ -337,7 +355,7 @@ if HAVE_TRITON:
         if PDL:
             gdc_wait()                                            # x' comes from the previous kernel
         if ASM:
-            xn = _load_x(xs, (a0 + kw) < a1, ak, MB, SWAP, XFRAG)
+            xn = _load_x(xs, (a0 + kw) < a1, ak, MB, SWAP, XFRAG, blive, SKIP)
         if UNROLL == 2:
             # two k-tiles (A, B) per iteration: the words loaded for A in the previous iteration are decoded
             # in place, so no register moves carry loads across iterations; past a1, B reads the last
@@ -347,17 +365,17 @@ if HAVE_TRITON:
                 akb = tl.minimum(ac + STEP, a1 - 1)
                 wb = _load_words(wbase, akb * kstride, NT, TSTRIDE * NW, NWL)
                 if ASM:
-                    xb = _load_x(xs, (ac + STEP) < a1, akb, MB, SWAP, XFRAG)
+                    xb = _load_x(xs, (ac + STEP) < a1, akb, MB, SWAP, XFRAG, blive, SKIP)
                 else:
                     xb = xn
                 acc = _mma_tiles(acc, wn, xn, ac, a1, x_ptr, rsh, rsh32, xorc, mm, mmask, stride_x, r_base,
-                                 KA, HALF, CB, MULT, ADD, NT, NWL, ASM, MB, SWAP, RB, WARPS, XFRAG)
+                                 KA, HALF, CB, MULT, ADD, NT, NWL, ASM, MB, SWAP, RB, WARPS, XFRAG, blive, SKIP)
                 an = tl.minimum(ac + 2 * STEP, a1 - 1)
                 wn = _load_words(wbase, an * kstride, NT, TSTRIDE * NW, NWL)
                 if ASM:
-                    xn = _load_x(xs, (ac + 2 * STEP) < a1, an, MB, SWAP, XFRAG)
+                    xn = _load_x(xs, (ac + 2 * STEP) < a1, an, MB, SWAP, XFRAG, blive, SKIP)
                 acc = _mma_tiles(acc, wb, xb, ac + STEP, a1, x_ptr, rsh, rsh32, xorc, mm, mmask, stride_x, r_base,
-                                 KA, HALF, CB, MULT, ADD, NT, NWL, ASM, MB, SWAP, RB, WARPS, XFRAG)
+                                 KA, HALF, CB, MULT, ADD, NT, NWL, ASM, MB, SWAP, RB, WARPS, XFRAG, blive, SKIP)
         else:
             for a in range(a0, a1, STEP):
                 wc = wn
@@ -366,9 +384,9 @@ if HAVE_TRITON:
                 wn = _load_words(wbase, an * kstride, NT, TSTRIDE * NW, NWL)
                 xc = xn
                 if ASM:
-                    xn = _load_x(xs, (ac + STEP) < a1, an, MB, SWAP, XFRAG)
+                    xn = _load_x(xs, (ac + STEP) < a1, an, MB, SWAP, XFRAG, blive, SKIP)
                 acc = _mma_tiles(acc, wc, xc, ac, a1, x_ptr, rsh, rsh32, xorc, mm, mmask, stride_x, r_base,
-                                 KA, HALF, CB, MULT, ADD, NT, NWL, ASM, MB, SWAP, RB, WARPS, XFRAG)
+                                 KA, HALF, CB, MULT, ADD, NT, NWL, ASM, MB, SWAP, RB, WARPS, XFRAG, blive, SKIP)
         out_p = tn_total * 16
         if ASM:
             if SWAP:

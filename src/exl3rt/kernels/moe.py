@@ -65,16 +65,17 @@ if HAVE_TRITON:
                    NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr, ASM: tl.constexpr,
                    SWAP: tl.constexpr, XFRAG: tl.constexpr, MB: tl.constexpr):
         """One pass of 16·MB routes (8 with SWAP; MB 16-row blocks share each decoded tile) of one tier:
-        expert ``local`` of the tier's stacked trellis at ``w_ptr``."""
+        expert ``local`` of the tier's stacked trellis at ``w_ptr``; 16-row blocks past ``lim`` (padding
+        slots only) load no x' and run no mma."""
         estride = k_tiles * n_tiles * (8 * KA + 4 * HALF)          # int32 words per expert
         _mma_pass(x_ptr, w_ptr + local * estride, z_ptr, lim, m0, a0, a1, pid_n, n_tiles, stride_x, one,
                   KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, False, MB, SWAP, False, _unroll_for(KA, HALF),
-                  XFRAG)
+                  XFRAG, MB > 1)
 
     # k_per follows from the row count (the split-K target counts route blocks): no specialization on it,
     # or a prewarm at one row count would not cover another
-    @triton.jit(do_not_specialize=["rows", "one", "k_per"])
-    def _moe_mma_kernel(x_ptr, z_ptr, blk_ptr, desc_ptr, npad_ptr, w0, w1, w2, w3, v0, v1, v2, v3, rows, k_tiles,
+    @triton.jit(do_not_specialize=["rows", "one", "k_per", "numel"])
+    def _moe_mma_kernel(x_ptr, z_ptr, blk_ptr, desc_ptr, npad_ptr, routes_ptr, numel, w0, w1, w2, w3, v0, v1, v2, v3, rows, k_tiles,
                         n_tiles, k_per, stride_x, stride_zs, one, n_blocks, stride_xp, stride_zp,
                         SHIFT: tl.constexpr, NTIERS: tl.constexpr,
                         K0A: tl.constexpr, K0H: tl.constexpr, N0: tl.constexpr,
@@ -83,14 +84,16 @@ if HAVE_TRITON:
                         K3A: tl.constexpr, K3H: tl.constexpr, N3: tl.constexpr,
                         CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr, NT: tl.constexpr,
                         WARPS: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr, NPROJ: tl.constexpr,
-                        XFRAG: tl.constexpr = False, MB: tl.constexpr = 1):
+                        XFRAG: tl.constexpr = False, MB: tl.constexpr = 1, REAL: tl.constexpr = False):
         """z[slot, :] = x'[slot, :]·Q_e for the BLOCK_M slots of route block ``program_id(1)``
         (expert e = blk[j]), the n-tiles of ``program_id(0)``, K-split ``program_id(2)`` (partials
         ``z[split]``); blocks past ``npad / BLOCK_M`` exit. NPROJ = 2: two projections of the same
         geometry in one grid (gate and up): programs ``program_id(0) >= n_blocks`` run the second
         (tiers ``v0..v3``, input ``x + stride_xp``, partials ``z + stride_zp``). ``XFRAG``: x' in fragment
         order (``stride_x`` then int32 words per row block; route blocks are whole row blocks). ``MB``: 16-row
-        blocks per pass sharing each decoded tile (``BLOCK_M`` a multiple of 16·MB)."""
+        blocks per pass sharing each decoded tile (``BLOCK_M`` a multiple of 16·MB). ``REAL``: the block's live
+        routes are counted in ``routes_ptr`` (sorted routes, padding ``>= numel``, at the tail of the block):
+        rows past them are neither loaded nor stored, and 16-row blocks of padding only run no mma."""
         pid_n = tl.program_id(0)
         j = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -111,7 +114,11 @@ if HAVE_TRITON:
             d = tl.load(desc_ptr + e)
             tier = d >> SHIFT
             local = d & ((1 << SHIFT) - 1)
-            lim = tl.minimum(rows, (j + 1) * BLOCK_M)
+            if REAL:
+                sl = j * BLOCK_M + tl.arange(0, BLOCK_M)
+                lim = j * BLOCK_M + tl.sum((tl.load(routes_ptr + sl) < numel).to(tl.int32), axis=0)
+            else:
+                lim = tl.minimum(rows, (j + 1) * BLOCK_M)
             # blocks of at most 8 routes (the decode plan): the decoded tile is the mma's A operand
             # (mma.SWAP: one mma per tile, half the accumulators); else 16-route passes
             for mb in tl.static_range(0, BLOCK_M, 8 if BLOCK_M <= 8 else 16 * MB):
@@ -167,13 +174,16 @@ def _check_stacks(name: str, tier_trellis: Sequence[torch.Tensor]) -> tuple[int,
 def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], block_experts: torch.Tensor,
                     num_padded: torch.Tensor, descriptors: torch.Tensor, shift: int, block_m: int, codebook: str,
                     *, second: Optional[Sequence[torch.Tensor]] = None, nt: Optional[int] = None, num_warps: int = 1,
-                    target_programs: Optional[int] = None, zero: bool = True, xfrag: bool = False) -> torch.Tensor:
+                    target_programs: Optional[int] = None, zero: bool = True, xfrag: bool = False,
+                    routes: Optional[tuple[torch.Tensor, int]] = None) -> torch.Tensor:
     """One tiered launch; returns the split-K partials ``z [P, splits, slots, out_p]`` (fp32) of
     ``xs[slot]·Q_{e(slot)}``. ``P = 1``, or 2 with ``second`` (a second projection of the same geometry
     and tier order, e.g. up next to gate, in the same launch): ``xs`` is then ``[slots, in_p]`` (both read
     it) or ``[2, slots, in_p]`` (one input per projection). ``zero=False``: ``torch.empty`` partials —
     the rows of slots past ``num_padded`` are then left unwritten (garbage), every other element is
-    written. K is split so that about ``target_programs`` programs run (default :data:`TARGET_PROGRAMS` on
+    written — except with ``routes = (sorted_routes, numel)`` (:class:`RoutePack`): then each block's padding
+    slots (routes ``>= numel``) are not computed either (their rows are left unwritten), and 16-row blocks of
+    padding only inside a 32/64-route block run no mma. K is split so that about ``target_programs`` programs run (default :data:`TARGET_PROGRAMS` on
     a GPU, each split at least about :data:`MIN_SPLIT_K_TILES` k-tiles; no split in the CPU interpreter,
     where programs are what costs). ``xfrag``: ``xs`` is in the mma's fragment
     order (:func:`frag_blocks`; route blocks of 8 or a multiple of 16), not row-major. Route blocks of 32/64
@@ -215,14 +225,16 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     vs = ws if second is None else [tr.view(torch.int32) for tr in second] + [ws[0]] * (MAX_TIERS - len(second))
     grid = (nproj * n_blocks, max_blocks, splits)
     stride_x = (4 if frag == 2 else 8) * in_p if frag else in_p    # int32 per row block of 8 / 16 rows, or fp16 per row
-    _moe_mma_kernel[grid](xs, z, block_experts, descriptors, num_padded, *ws, *vs, slots, k_tiles, n_tiles, k_per,
+    real = routes is not None
+    routes_t, numel = routes if real else (block_experts, 0)
+    _moe_mma_kernel[grid](xs, z, block_experts, descriptors, num_padded, routes_t, numel, *ws, *vs, slots, k_tiles, n_tiles, k_per,
                           stride_x, z.stride(1), 1, n_blocks, stride_xp, z.stride(0), SHIFT=shift,
                           NTIERS=len(tier_trellis),
                           K0A=ks[0][0], K0H=ks[0][1], N0=nwl[0], K1A=ks[1][0], K1H=ks[1][1], N1=nwl[1],
                           K2A=ks[2][0], K2H=ks[2][1], N2=nwl[2], K3A=ks[3][0], K3H=ks[3][1], N3=nwl[3],
                           CB=cb, MULT=mult, ADD=add, NT=ntw // warps, WARPS=warps, BLOCK_M=block_m,
                           ASM=_use_asm(xs.device), NPROJ=nproj, XFRAG=bool(frag), MB=pass_row_blocks(block_m),
-                          num_warps=warps)
+                          REAL=real, num_warps=warps)
     return z
 
 
@@ -356,8 +368,9 @@ class GlueLaunch:
     """Launch shapes of the fused passes (:mod:`exl3rt.kernels.moe_glue`): rows (slots) per program and
     warps of the pre- and mid-pass, split-K partials per load of the mid- and post-pass, warps of the post
     pass (0: by top-k) and whether x'/h' are written in the tiered launch's fragment order (where the route
-    block allows it, :func:`frag_blocks`). :func:`default_glue` gives the measured defaults; a tuning
-    override of :func:`exl3_moe`."""
+    block allows it, :func:`frag_blocks`); ``skip_padding``: the tiered launches count each route block's live
+    routes and leave its padding slots out (no x' loads, no stores, no mma for 16-row blocks of padding only).
+    :func:`default_glue` gives the measured defaults; a tuning override of :func:`exl3_moe`."""
 
     pre_rows: int = 4
     pre_warps: int = 1
@@ -367,6 +380,7 @@ class GlueLaunch:
     post_splits: int = 8
     post_warps: int = 1
     frag: bool = False
+    skip_padding: bool = True
 
 
 def default_glue(block_m: int) -> GlueLaunch:
@@ -418,7 +432,8 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
         BR=br, BLOCK_M=block_m, FRAG=frag, num_warps=glue.pre_warps)
 
     common = (pack.block_experts, pack.num_padded, w.descriptors, w.shift, block_m, w.codebook)
-    tiered = dict(nt=nt, num_warps=num_warps, target_programs=target_programs, zero=False, xfrag=frag > 0)
+    tiered = dict(nt=nt, num_warps=num_warps, target_programs=target_programs, zero=False, xfrag=frag > 0,
+                  routes=(pack.sorted_routes, numel) if glue.skip_padding else None)
     if gated:   # gate and up in one launch: partials zgu[0] gate, zgu[1] up
         zgu = tiered_partials(xs if two else xs[0], w.gate, *common, second=w.up, **tiered)
     else:
