@@ -10,8 +10,8 @@ only when it is ≥ 1 % faster — fragment-order x', the mid-pass (slots per
 program, warps, partials per load), the post-pass (partials per load, warps), the pre-pass (slots, warps),
 ``target_programs`` — starting from :func:`exl3rt.kernels.moe.default_glue`. ``--sweep blocks``: route
 block 16 / 32 / 64, each with row-major and fragment-order x'. ``--sweep padding``: the runtime's route block
-with and without ``GlueLaunch.skip_padding`` (the outputs must be bit-identical; checked). Every point is the median of graph-timed
-calls of the whole layer (``bench_moe.time_calls``: one CUDA graph per routing input, replayed in
+with and without ``GlueLaunch.skip_padding`` (the outputs must be bit-identical; checked). Every point is the
+median of graph-timed calls of the whole layer (``bench_moe.time_calls``: one CUDA graph per routing input, replayed in
 rotation); layer and routing as ``bench_moe.py`` (hidden 6144, 256 experts, top-8, K3/K4 192/64, MCG).
 Prints each sweep line and writes JSON.
 """

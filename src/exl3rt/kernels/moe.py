@@ -75,7 +75,8 @@ if HAVE_TRITON:
     # k_per follows from the row count (the split-K target counts route blocks): no specialization on it,
     # or a prewarm at one row count would not cover another
     @triton.jit(do_not_specialize=["rows", "one", "k_per", "numel"])
-    def _moe_mma_kernel(x_ptr, z_ptr, blk_ptr, desc_ptr, npad_ptr, routes_ptr, numel, w0, w1, w2, w3, v0, v1, v2, v3, rows, k_tiles,
+    def _moe_mma_kernel(x_ptr, z_ptr, blk_ptr, desc_ptr, npad_ptr, routes_ptr, numel, w0, w1, w2, w3, v0, v1, v2, v3,
+                        rows, k_tiles,
                         n_tiles, k_per, stride_x, stride_zs, one, n_blocks, stride_xp, stride_zp,
                         SHIFT: tl.constexpr, NTIERS: tl.constexpr,
                         K0A: tl.constexpr, K0H: tl.constexpr, N0: tl.constexpr,
@@ -183,9 +184,10 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     the rows of slots past ``num_padded`` are then left unwritten (garbage), every other element is
     written — except with ``routes = (sorted_routes, numel)`` (:class:`RoutePack`): then each block's padding
     slots (routes ``>= numel``) are not computed either (their rows are left unwritten), and 16-row blocks of
-    padding only inside a 32/64-route block run no mma. K is split so that about ``target_programs`` programs run (default :data:`TARGET_PROGRAMS` on
-    a GPU, each split at least about :data:`MIN_SPLIT_K_TILES` k-tiles; no split in the CPU interpreter,
-    where programs are what costs). ``xfrag``: ``xs`` is in the mma's fragment
+    padding only inside a 32/64-route block run no mma. K is split so that about ``target_programs``
+    programs run (default :data:`TARGET_PROGRAMS` on a GPU, each split at least about
+    :data:`MIN_SPLIT_K_TILES` k-tiles; no split in the CPU interpreter, where programs are what costs).
+    ``xfrag``: ``xs`` is in the mma's fragment
     order (:func:`frag_blocks`; route blocks of 8 or a multiple of 16), not row-major. Route blocks of 32/64
     run passes in which 2/4 16-row blocks share each decoded tile (:func:`pass_row_blocks`)."""
     name = "grouped_gemv"
@@ -227,8 +229,8 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     stride_x = (4 if frag == 2 else 8) * in_p if frag else in_p    # int32 per row block of 8 / 16 rows, or fp16 per row
     real = routes is not None
     routes_t, numel = routes if real else (block_experts, 0)
-    _moe_mma_kernel[grid](xs, z, block_experts, descriptors, num_padded, routes_t, numel, *ws, *vs, slots, k_tiles, n_tiles, k_per,
-                          stride_x, z.stride(1), 1, n_blocks, stride_xp, z.stride(0), SHIFT=shift,
+    _moe_mma_kernel[grid](xs, z, block_experts, descriptors, num_padded, routes_t, numel, *ws, *vs, slots, k_tiles,
+                          n_tiles, k_per, stride_x, z.stride(1), 1, n_blocks, stride_xp, z.stride(0), SHIFT=shift,
                           NTIERS=len(tier_trellis),
                           K0A=ks[0][0], K0H=ks[0][1], N0=nwl[0], K1A=ks[1][0], K1H=ks[1][1], N1=nwl[1],
                           K2A=ks[2][0], K2H=ks[2][1], N2=nwl[2], K3A=ks[3][0], K3H=ks[3][1], N3=nwl[3],
