@@ -1,15 +1,16 @@
 """EXL3 linear kernels on the GPU (issue 5): exl3rt.kernels.exl3_linear vs bf16 torch.matmul.
 
-    python benchmarks/bench_linear.py [--quick] [--codebook mcg] [--out benchmarks/results/linear_cuda.json]
+    python benchmarks/bench_linear.py [--quick] [--codebook mcg] [--shapes 4096x14336,14336x4096] [--bits 2 4]
+                                      [--rows 1 16 256] [--out benchmarks/results/linear_cuda.json]
 
 Per (layer in×out, K): ``--copies`` (default 8) independent random weight copies, rotated call by
 call so that no copy is served from the 60 MB L2; each timed call is a CUDA-graph replay of one
-whole ``exl3_linear`` (input rotation, the path ``choose_path`` picks — FFMA GEMV, mma GEMV or
-decode + cuBLAS — output rotation), bracketed by CUDA events; the median over ``--iters`` calls
-is reported, with the other paths at rows 1/4/16/64 for the dispatch thresholds; "batched" columns
+whole ``exl3_linear`` (input rotation, the path ``choose_path`` picks — FFMA GEMV, mma GEMV, the Hopper
+wgmma kernel or decode + cuBLAS — output rotation), bracketed by CUDA events; the median over ``--iters``
+calls is reported, with the other paths at rows 1/4/16/64/256/2048 for the dispatch thresholds; "batched" columns
 time one CUDA graph of 32 calls (per call: the per-replay launch cost amortized). ``torch.matmul``
 in bf16 on the same number of dense copies is timed the same way in the same run. Before timing,
-every (shape, K) is checked against ``format.reconstruct`` in float64 (fp32 inputs, rows 1/4/16/64)
+every (shape, K) is checked against ``format.reconstruct`` in float64 (fp32 inputs, rows 1/4/16/64/200)
 and the Triton decode against ``format.decode`` bit for bit. Also times the kernels alone (GEMV
 at rows 1, mma at rows 16) and reports decoded weights/s.
 """
@@ -112,7 +113,13 @@ def rel(y, ref):
     return float((y.double() - ref).norm() / ref.norm())
 
 
-TOL = {"gemv": 1e-5, "mma": 1e-3, "decode_mm": 3e-3}  # fp32 x' (GEMV) vs x' rounded to fp16
+TOL = {"gemv": 1e-5, "mma": 1e-3, "wgmma": 1e-3, "decode_mm": 3e-3}  # fp32 x' (GEMV) vs x' rounded to fp16
+
+
+def wgmma_here() -> bool:
+    """The path choice of this device (the wgmma kernel on Hopper)."""
+    from exl3rt.kernels import wgmma
+    return wgmma.available(torch.device("cuda"))
 
 
 def check(codes, codebook, bits, dev):
@@ -123,10 +130,10 @@ def check(codes, codebook, bits, dev):
     del q
     w = reconstruct(tr, suh, svh, codebook, dtype=torch.float64)
     ok = res["decode_exact"]
-    for rows in (1, 4, 16, 64):
+    for rows in (1, 4, 16, 64, 200):
         x = torch.randn(rows, tr.shape[0] * 16, device=dev)
         y = kl.exl3_linear(x, tr, suh, svh, codebook)
-        path = kl.choose_path(rows)
+        path = kl.choose_path(rows, wgmma=wgmma_here())
         res[f"rel_rows{rows}_{path}"] = e = rel(y, x.double() @ w)
         ok = ok and bool(torch.isfinite(y).all()) and e < TOL[path]
     del w
@@ -140,6 +147,11 @@ def main(argv=None):
     ap.add_argument("--codebook", default="mcg")
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--shapes", default="", help="layers as INxOUT,INxOUT (default: the issue's three)")
+    ap.add_argument("--bits", type=float, nargs="+", default=None, help="K values (default 2 3 4 6)")
+    ap.add_argument("--rows", type=int, nargs="+", default=None, help="row counts (default 1 4 16 64 256 2048)")
+    ap.add_argument("--all-paths", action="store_true",
+                    help="time every path that can run at each row count (the dispatch thresholds), not a few")
     ap.add_argument("--out", default="benchmarks/results/linear_cuda.json")
     args = ap.parse_args(argv)
     dev = "cuda"
@@ -147,6 +159,12 @@ def main(argv=None):
     shapes, bits_list, rows_list = SHAPES, BITS, ROWS
     if args.quick:
         shapes, bits_list, rows_list = SHAPES[:1], [2, 4], [1, 16, 256]
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    if args.bits:
+        bits_list = [int(b) if float(b).is_integer() else b for b in args.bits]
+    if args.rows:
+        rows_list = args.rows
     cb = args.codebook
     props = torch.cuda.get_device_properties(0)
     results = {"commit": commit(), "device": props.name, "sms": props.multi_processor_count,
@@ -211,8 +229,14 @@ def main(argv=None):
                 us = time_graphs(fns, args.iters)
                 row = {"in": in_p, "out": out_p, "K": bits, "rows": r, "us": us, "bf16_us": bf16[r],
                        "batched_us": time_batched(fns, args.iters), "bf16_batched_us": bf16_b[r],
-                       "path": kl.choose_path(r), "exllamav3_us": ANCHORS.get((in_p, out_p, bits, r))}
-                others = {1: ("gemv",), 4: ("gemv", "decode_mm"), 16: ("decode_mm",), 64: ("decode_mm",)}.get(r, ())
+                       "path": kl.choose_path(r, wgmma=wgmma_here()),
+                       "exllamav3_us": ANCHORS.get((in_p, out_p, bits, r))}
+                others = {1: ("gemv",), 4: ("gemv", "decode_mm"), 16: ("decode_mm",), 64: ("mma", "decode_mm"),
+                          256: ("decode_mm",), 2048: ("wgmma",) if wgmma_here() else ()}.get(r, ())
+                if args.all_paths:
+                    others = (("gemv",) if r <= kl.GEMV_MAX_ROWS else ()) + (("mma",) if r <= 64 else ()) + \
+                        (("wgmma",) if wgmma_here() else ()) + ("decode_mm",)
+                others = tuple(o for o in others if o != row["path"])
                 for other in others:  # the other paths, for the dispatch thresholds
                     row[f"{other}_us"] = time_graphs(
                         [lambda c=c, o=other: kl.exl3_linear(x, c[0], c[1], c[2], cb, path=o) for c in codes],

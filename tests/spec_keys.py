@@ -26,6 +26,8 @@ class SpecRecorder:
     def _arg(self, name, a):
         if isinstance(a, torch.Tensor):
             return (name, str(a.dtype), a.data_ptr() % 16 == 0)
+        if hasattr(a, "block_shape") and hasattr(a, "base"):     # a TMA descriptor: its dtype, box and layout
+            return (name, str(a.base.dtype), tuple(a.block_shape), repr(a.layout))
         if name in self.constexpr or isinstance(a, bool) or not isinstance(a, int):
             return (name, repr(a))
         return (name, a == 1, a % 16 == 0)

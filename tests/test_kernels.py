@@ -176,9 +176,15 @@ def test_dispatch_and_prewarm_buckets():
     assert [kl.choose_path(r, gemv_max_rows=4) for r in (1, 4, 5)] == ["gemv", "gemv", "mma"]
     assert [kl.default_mma_config(r).swap for r in (1, 8, 9)] == [True, True, False]
     assert len({kl.specialization(r) for r in kl.PREWARM_ROWS}) == len(kl.PREWARM_ROWS)
-    # every row count maps to a bucket that PREWARM_ROWS covers, at every K
+    assert len({kl.specialization(r, 4, True) for r in kl.WGMMA_PREWARM_ROWS}) == len(kl.WGMMA_PREWARM_ROWS)
+    # where the wgmma kernel runs (Hopper): 33-640 rows, in three row buckets, decode + cuBLAS above
+    assert [kl.choose_path(r, wgmma=True) for r in (32, 33, 64, 65, 640, 641)] == \
+        ["mma", "wgmma", "wgmma", "wgmma", "wgmma", "decode_mm"]
+    # every row count maps to a bucket that the prewarm rows cover, at every K, with and without wgmma
     for bits in (2, 3, 4, 5, 6, 8, 2.5):
         assert {kl.specialization(r, bits) for r in range(1, 300)} <= {kl.specialization(r, bits) for r in kl.PREWARM_ROWS}
+        assert {kl.specialization(r, bits, True) for r in range(1, 1100)} <= \
+            {kl.specialization(r, bits, True) for r in kl.WGMMA_PREWARM_ROWS}
     # 9-16 rows above K = 4: four tiles per warp (the one-k-tile loop), two at K <= 4
     assert [kl.default_mma_config(r, b).nt for r, b in ((12, 4), (12, 4.5), (16, 6), (8, 6), (17, 6))] == [2, 4, 4, 4, 4]
 
@@ -189,18 +195,21 @@ def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch, in_p, out
     kernel specializations that ``exl3_linear`` meets at every row count from 1 to 80 (every mma
     configuration and decode_mm), in bf16 and fp16 — nothing compiles lazily after it. Kernels are replaced by
     recorders of Triton's specialization key (nothing runs)."""
-    from exl3rt.kernels import gemv, hadamard, mma
+    from exl3rt.kernels import gemv, hadamard, mma, wgmma
     targets = [(hadamard, "_had_kernel"), (mma, "_mma_kernel"), (gemv, "_decode_kernel"), (gemv, "_gemv_kernel")]
+    wg = wgmma.available(torch.device(DEV))       # on an H200: 33-640 rows take the wgmma kernel
+    if wg:
+        targets.append((wgmma, "_wgmma_kernel"))
     real, warm = set(), set()
     tr, suh, svh = _codes(in_p, out_p, bits, seed=4)
     record(monkeypatch, targets, real)
     for dtype in (torch.bfloat16, torch.float16):
-        for rows in range(1, 81):
+        for rows in list(range(1, 81)) + ([130, 200, 257, 500, 640, 641, 800] if wg else []):
             kl.exl3_linear(torch.randn(rows, in_p).to(dtype).to(DEV), tr, suh, svh, codebook)
     record(monkeypatch, targets, warm)
     for dtype in (torch.bfloat16, torch.float16):
-        assert kl.prewarm([(in_p, out_p, bits, codebook)], device=DEV, dtype=dtype) == len(kl.PREWARM_ROWS)
-    assert {k[0] for k in real} == {"_had_kernel", "_mma_kernel", "_decode_kernel"}
+        assert kl.prewarm([(in_p, out_p, bits, codebook)], device=DEV, dtype=dtype) == len(kl.prewarm_rows(DEV))
+    assert {k[0] for k in real} == {"_had_kernel", "_mma_kernel", "_decode_kernel"} | ({"_wgmma_kernel"} if wg else set())
     missing = real - warm
     assert not missing, f"{len(missing)} specializations met only by real calls, e.g. {sorted(missing)[0]}"
 
@@ -306,7 +315,8 @@ def test_exl3linear_prewarm_runs_every_row_bucket_once_per_kernel_key(monkeypatc
     monkeypatch.setattr(kl, "exl3_linear", lambda x, tr, suh, svh, cb: rows.append(x.shape[0]) or (tr.shape, cb))
     done = set()
     n = a.prewarm(torch.float16, done)
-    assert n == len(rows) == len(kl.PREWARM_ROWS)
-    assert {kl.specialization(r) for r in rows} == {kl.specialization(r) for r in range(1, 300)}
+    wg = kl._wg.available(a.trellis.device)
+    assert n == len(rows) == len(kl.prewarm_rows(a.trellis.device))
+    assert {kl.specialization(r, 4, wg) for r in rows} == {kl.specialization(r, 4, wg) for r in range(1, 1000)}
     assert b.prewarm(torch.float16, done) == 0 and len(rows) == n
     assert a.kernel_key(torch.bfloat16) not in done and c.kernel_key(torch.float16) not in done

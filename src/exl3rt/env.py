@@ -108,6 +108,11 @@ KERNEL_NO_PDL: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_NO_PDL", False, _flag,
     "1: launch the linear kernels without programmatic dependent launch (each waits for the last)")
 
+KERNEL_NO_WGMMA: EnvVar[bool] = EnvVar(
+    "EXL3RT_KERNEL_NO_WGMMA", False, _flag,
+    "1: the linear layers never use the Hopper wgmma kernel (33-640 rows then take the mma GEMV / decode + cuBLAS)")
+
+
 def _positive_int(raw: str) -> int:
     try:
         value = int(raw)
@@ -157,8 +162,8 @@ VLLM_CODEBOOK: EnvVar[Optional[str]] = EnvVar(
     "vLLM online EXL3: codebook when quantization_config has no 'codebook' (unset = mcg)")
 
 ALL: tuple[EnvVar, ...] = (LOG_LEVEL, GOLDEN_DIR, KERNEL_CACHE_DIR, MODELS_DIR, CACHE_MODE, CACHE_DIR,
-                           KERNEL_NO_ASM, KERNEL_NO_PDL, MOE_MAX_DECODE_M, MOE_PREFILL_BLOCK_M, MOE_PREFILL_CAPACITY,
-                           VLLM_BITS, VLLM_CODEBOOK)
+                           KERNEL_NO_ASM, KERNEL_NO_PDL, KERNEL_NO_WGMMA, MOE_MAX_DECODE_M, MOE_PREFILL_BLOCK_M,
+                           MOE_PREFILL_CAPACITY, VLLM_BITS, VLLM_CODEBOOK)
 
 
 def xdg_cache_home() -> str:

@@ -14,8 +14,11 @@
   feeds two (four) 16-row blocks (``MmaConfig.row_blocks``); up to 8 rows the decoded tile is the mma's A operand and
   x'ᵀ the B operand (``MmaConfig.swap``: one mma per tile); ``MmaConfig.ksplit`` (a program's warps
   split its k-tiles) is kept as an option;
-* ``decode_mm`` (more rows): ``gemv._decode_kernel`` writes Q (fp16, bit-exact) once and cuBLAS
-  computes ``x'·Q`` (fp16 operands, fp32 output), then the post-pass.
+* ``wgmma`` (33–640 rows, Hopper only: :func:`exl3rt.kernels.wgmma.available`): the same passes (x' row-major)
+  around ``wgmma._wgmma_kernel`` — each warp decodes one n-tile's k-tiles straight into the registers of a
+  warpgroup MMA's A operand (Qᵀ), x'ᵀ the B operand through TMA into shared memory;
+* ``decode_mm`` (more rows, or 65+ rows without wgmma): ``gemv._decode_kernel`` writes Q (fp16, bit-exact)
+  once and cuBLAS computes ``x'·Q`` (fp16 operands, fp32 output), then the post-pass.
 
 The Hadamard passes (``hadamard.py``) are 7-stage fp32 butterflies in registers, one launch each.
 Half-integer K (mul1) runs the same kernels. Every launch is a Triton specialization on (K,
@@ -39,6 +42,7 @@ from ..format.errors import FormatError
 from ..util.ints import next_pow2
 from . import mma as _mm
 from . import gemv as _g
+from . import wgmma as _wg
 from .hadamard import had as _had
 
 from ._triton import HAVE_GDC, triton
@@ -287,16 +291,25 @@ def _pdl_args(device: torch.device) -> dict:
     return {"PDL": True, "launch_pdl": True} if _use_pdl(device) else {}
 
 
-PATHS = ("auto", "gemv", "mma", "decode_mm")
+PATHS = ("auto", "gemv", "mma", "wgmma", "decode_mm")
 MMA_MAX_ROWS = 64  # the mma GEMV decodes once per 8 / 16 / 32 / 64 rows; above, decode + cuBLAS wins
+# with the wgmma kernel (Hopper): from WGMMA_MIN_ROWS (the mma GEMV below) to WGMMA_MAX_ROWS (decode + cuBLAS
+# above). H200, 2026-12-01, whole calls as graph replays, 8 rotated weight copies: rows 32 mma 42.1-53.1 µs vs
+# wgmma 42.7-53.7 (three shapes, K 2-6), rows 40 (14336x4096 K4) 49.1 vs 43.4, rows 64 58.1-78.7 vs 44.0-54.4;
+# 14336x4096 K4 rows 512 wgmma 130.1 vs decode_mm 137.7, rows 768 189.7 vs 181.6, 1024 248.4 vs 221.6
+WGMMA_MIN_ROWS = 33
+WGMMA_MAX_ROWS = 640
 
 
-def choose_path(rows: int, gemv_max_rows: int = GEMV_DISPATCH_ROWS) -> str:
+def choose_path(rows: int, gemv_max_rows: int = GEMV_DISPATCH_ROWS, wgmma: bool = False) -> str:
     """``gemv`` (fp32 FFMA decode-on-the-fly) up to ``gemv_max_rows`` rows (none by default),
     ``mma`` (warp-level tensor-core GEMV) up to :data:`MMA_MAX_ROWS`, else ``decode_mm`` (Q to
-    fp16, then cuBLAS)."""
+    fp16, then cuBLAS); with ``wgmma`` (the device runs it, :func:`exl3rt.kernels.wgmma.available`)
+    ``wgmma`` from :data:`WGMMA_MIN_ROWS` to :data:`WGMMA_MAX_ROWS` rows."""
     if rows <= min(gemv_max_rows, GEMV_MAX_ROWS):
         return "gemv"
+    if wgmma and WGMMA_MIN_ROWS <= rows <= WGMMA_MAX_ROWS:
+        return "wgmma"
     return "mma" if rows <= MMA_MAX_ROWS else "decode_mm"
 
 
@@ -306,9 +319,9 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
                 decode_cfg: DecodeConfig = DEFAULT_DECODE, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``y = x·W`` for x ``[rows, in_p]`` (padded), W the EXL3 layer; returns ``[rows, out_p]`` in x's dtype.
 
-    ``path``: ``auto`` (:func:`choose_path`), ``gemv``, ``mma`` (any row count, 16 per row block) or
-    ``decode_mm`` (decode Q to fp16 in memory, then cuBLAS). ``bits`` is only checked against the
-    trellis shape (K always follows from the shape).
+    ``path``: ``auto`` (:func:`choose_path`), ``gemv``, ``mma`` (any row count, 16 per row block), ``wgmma``
+    (Hopper only) or ``decode_mm`` (decode Q to fp16 in memory, then cuBLAS). ``bits`` is only checked against
+    the trellis shape (K always follows from the shape).
     """
     in_p, out_p, kbits = _check(trellis, suh, svh)
     if bits is not None and float(bits) != float(kbits):
@@ -324,7 +337,7 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
     if rows == 0:
         return y
     if path == "auto":
-        path = choose_path(rows, gemv_max_rows)
+        path = choose_path(rows, gemv_max_rows, _wg.available(x.device))
     if path == "gemv":
         if rows > GEMV_MAX_ROWS:
             raise ValueError(f"path='gemv' takes at most {GEMV_MAX_ROWS} rows, got {rows}")
@@ -343,6 +356,10 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
         return y
     xh = torch.empty((rows, in_p), dtype=torch.float16, device=x.device)
     _had(x, suh, xh, pre=True)
+    if path == "wgmma":
+        z = _wg.wgmma_rotated(xh, trellis, codebook)
+        _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0))
+        return y
     q = decode_fp16(trellis, codebook, decode_cfg)
     z = torch.matmul(xh, q).float() if x.device.type == "cpu" else _mm_fp32(xh, q)
     _had(z, svh, y, pre=False)
@@ -357,21 +374,29 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.matmul(a, b).float()
 
 
-def specialization(rows: int, bits: Bits = 4) -> tuple:
-    """The kernel specializations ``exl3_linear`` uses for ``rows`` (per layer shape, K and codebook):
-    the path, its launch configuration and the Hadamard passes' row block (the kernels do not
-    specialize on ``rows`` itself)."""
-    path = choose_path(rows)
-    cfg = default_mma_config(rows, bits) if path == "mma" else None
+def specialization(rows: int, bits: Bits = 4, wgmma: bool = False) -> tuple:
+    """The kernel specializations ``exl3_linear`` uses for ``rows`` (per layer shape, K and codebook;
+    ``wgmma``: on a device that runs the wgmma kernel): the path, its launch configuration and the
+    Hadamard passes' row block (the kernels do not specialize on ``rows`` itself)."""
+    path = choose_path(rows, wgmma=wgmma)
+    cfg = (default_mma_config(rows, bits) if path == "mma" else
+           _wg.default_wgmma_config(rows) if path == "wgmma" else None)
     return (path, cfg, min(16, next_pow2(rows)))
 
 
 PREWARM_ROWS = (1, 2, 3, 5, 9, 17, 33, 65)  # one row count per bucket of :func:`specialization`
+WGMMA_PREWARM_ROWS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 641)  # the same where the wgmma kernel runs
 
 
-def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Iterable[int] = PREWARM_ROWS,
+def prewarm_rows(device: str | torch.device) -> tuple[int, ...]:
+    """One row count per bucket of :func:`specialization` on ``device``."""
+    return WGMMA_PREWARM_ROWS if _wg.available(torch.device(device)) else PREWARM_ROWS
+
+
+def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Optional[Iterable[int]] = None,
             *, device: str | torch.device = "cuda", dtype: torch.dtype = torch.float16) -> int:
-    """Compile every specialization needed for layers ``(in_p, out_p, K, codebook)`` and row counts.
+    """Compile every specialization needed for layers ``(in_p, out_p, K, codebook)`` and row counts
+    (default :func:`prewarm_rows` of the device).
 
     Runs each distinct (shape, K, codebook, :func:`specialization`) once on random codes; returns
     the number of launches of :func:`exl3_linear` it made. Call before CUDA-graph capture.
@@ -379,13 +404,15 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Iterable[int] = 
     from ..format.bits import words16_per_tile
     n = 0
     done = set()
+    wg = _wg.available(torch.device(device))
+    rows = prewarm_rows(device) if rows is None else tuple(rows)
     for in_p, out_p, bits, codebook in shapes:
         w = words16_per_tile(bits)
         trellis = torch.randint(-32768, 32767, (in_p // 16, out_p // 16, w), dtype=torch.int16, device=device)
         suh = torch.ones(in_p, dtype=torch.float16, device=device)
         svh = torch.ones(out_p, dtype=torch.float16, device=device)
         for r in rows:
-            key = (in_p, out_p, bits, codebook, dtype, specialization(r, bits))
+            key = (in_p, out_p, bits, codebook, dtype, specialization(r, bits, wg))
             if key in done:
                 continue
             done.add(key)
@@ -396,6 +423,7 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Iterable[int] = 
     return n
 
 
-__all__ = ["exl3_linear", "gemv_rotated", "decode_fp16", "prewarm", "GemvConfig", "DecodeConfig",
-           "MmaConfig", "mma_rotated", "xfrag_rows", "choose_path", "default_mma_config", "specialization", "PREWARM_ROWS", "MMA_MAX_ROWS",
+__all__ = ["exl3_linear", "gemv_rotated", "decode_fp16", "prewarm", "prewarm_rows", "GemvConfig", "DecodeConfig",
+           "MmaConfig", "mma_rotated", "xfrag_rows", "choose_path", "default_mma_config", "specialization",
+           "PREWARM_ROWS", "WGMMA_PREWARM_ROWS", "WGMMA_MIN_ROWS", "WGMMA_MAX_ROWS", "MMA_MAX_ROWS",
            "GEMV_MAX_ROWS", "GEMV_DISPATCH_ROWS", "interpreting", "gemv_splits"]

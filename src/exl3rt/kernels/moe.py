@@ -395,9 +395,13 @@ def default_glue(block_m: int) -> GlueLaunch:
     (mid-pass 13.8 → 4.8 µs at one row; 2026-12-01); fragment order 1–3 % with 8-row blocks, 0–2 % slower
     with 16, and with 32/64-row blocks 5–16 % faster (I 2048, 2048 rows, block 64: 8601 vs 10221 µs; 512
     rows, block 32: 4117 vs 4429; 2026-12-01, second run). Programmatic dependent launch between the six
-    launches was measured slower at 8 of 10 points (up to 13 %) and dropped."""
+    launches was measured slower at 8 of 10 points (up to 13 %) and dropped. 8-row blocks: the post-pass reads
+    one split per load with 2 warps (8 splits per load in one warp spilled: 255 registers for a token's 8
+    routes × 8 splits × 128 columns): best of 12 shapes at one row in a same-run sweep (I 2048 123.4 µs, I 512
+    52.0; the old shape 125–126.5 and 54.2–54.4 in the session's other runs), 8 and 32 rows within noise; a
+    later separate run 125.6 / 55 µs, inside the old shape's spread (H200, 2026-12-01)."""
     if block_m <= 8:
-        return GlueLaunch(mid_rows=1, mid_splits=16, frag=True)
+        return GlueLaunch(mid_rows=1, mid_splits=16, frag=True, post_splits=1, post_warps=2)
     return GlueLaunch(frag=pass_row_blocks(block_m) > 1)
 
 

@@ -1,0 +1,259 @@
+"""Decode-on-the-fly EXL3 GEMM with Hopper warpgroup MMA (Gluon): 33–640 rows on sm_90.
+
+Split-K partials ``z[split, m, n] = Σ_{k in split} x'[m, k]·Q[k, n]`` like :mod:`exl3rt.kernels.mma`, but with
+``wgmma`` and the roles of the operands swapped: one program is one warpgroup (4 warps) and computes
+``zᵀ[64 columns, BR rows] = Qᵀ[64, K] · x'ᵀ[K, BR]``:
+
+* the **A operand is the decoded weight tile, in registers**. The EXL3 tile order is the ``mma.m16n8k16``
+  fragment order (``format/tiles.py``), and a lane's decoded registers p01, p45, p23, p67 (the lane decode
+  of :mod:`exl3rt.kernels.lane_decode`, one inline-PTX block per tile) are exactly its fragment of the
+  transposed 16×16 tile as an A operand — which is also the register layout ``wgmma`` takes for A
+  (warp w holds rows 16w…16w + 15). Warp w decodes n-tile ``4·pid_n + w``; four k-tiles (64 columns of
+  x') make one ``warpgroup_mma`` of K = 64 (four ``HGMMA.64xBRx16``). The decoded registers become the
+  ``[64, 64]`` fp16 A tensor by joins, a reshape and a permute that Gluon proves are no data movement
+  (``convert_layout(..., assert_trivial=True)``: the build fails otherwise);
+* the **B operand is x'ᵀ in shared memory**: TMA copies ``[BR, 64]`` boxes of the row-major fp16 x' (rows
+  past the end read as zeros) into a ring of ``STAGES`` buffers, one mbarrier each; the wgmma reads the
+  box through a transposed view.
+
+Each chunk of 4 k-tiles: load the next chunk's trellis words (NWL 32-bit loads per lane and tile), decode,
+wait for the x' box, ``wgmma`` (async, then waited for: measured faster than keeping one group in flight
+with A in registers — which ptxas serializes or races on — or in shared memory), refill the box's buffer.
+The accumulators (``[64, BR]`` fp32, BR/2 registers per thread) are stored transposed into the partials;
+the post-pass (:func:`exl3rt.kernels.hadamard.had`) sums the splits and rotates, as for the mma GEMV.
+
+Two programs share a multiprocessor (~200 registers at BR = 256 with 3 stages, 96 KB of shared memory each):
+one decodes while the other's wgmma runs. Measured on the H200 (BENCHMARKS.md) against decode + cuBLAS.
+
+Only on CUDA devices of compute capability 9.0 (``wgmma`` is sm_90a) with Triton's Gluon (checked at
+import: ``HAVE_GLUON``); no interpreter: CI checks the host side (configurations, dispatch) and the GPU
+tests check the numbers (``tests/test_wgmma.py``). ``EXL3RT_KERNEL_NO_WGMMA=1`` turns the path off.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from .. import env
+
+KC = 4           # k-tiles per chunk (one wgmma of K = 64; one TMA box of 64 x' columns)
+WARPS = 4        # one warpgroup: warp w decodes n-tile 4·pid_n + w (64 output columns per program)
+
+try:  # Gluon (Triton >= 3.4) with Hopper's wgmma, TMA and mbarriers
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAVE_GLUON = True
+except Exception:  # pragma: no cover - no Triton, or a Triton without these names
+    HAVE_GLUON = False
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """``block_rows``: rows per program (the wgmma's N: 64, 128 or 256); ``stages``: x' buffers in flight;
+    ``target_programs``: column groups × K splits the split aims at (each split at least 2 chunks of K)."""
+    block_rows: int = 256
+    stages: int = 3
+    target_programs: int = 256
+    maxnreg: int = 0          # a register cap per thread (0: ptxas decides)
+
+
+# H200, 2026-12-01, kernel alone, 8 rotated weight copies, one graph per call (4096×14336 / 14336×4096, K4):
+# 256 rows per program with 3 x' buffers (2 programs per SM) best from 129 rows up (rows 256: 63.3 / 58.4 µs;
+# 512: 122.8 / 106.8) against 128 rows per program, 2 or 4 buffers, 8 warps (128 columns per program) and
+# A through shared memory with one wgmma group in flight; K split so that ~256 programs run
+WGMMA_256 = WgmmaConfig(block_rows=256, stages=3, target_programs=256)
+# 65-128 rows: 128 rows per program, ~512 programs (rows 128: 45.3 / 40.7 µs vs 53.8 / 48.3 at ~256 programs and
+# 52.1 / 49.8 with 4 buffers at ~1024; 256 rows per program 63-88)
+WGMMA_128 = WgmmaConfig(block_rows=128, stages=3, target_programs=512)
+# 33-64 rows: 64 rows per program, 4 buffers, ~1024 programs (rows 64: 36.0 / 44.7 µs at 4 splits; rows 48:
+# 37.9 / 34.8 µs vs 36.2 / 38.4 at ~2048 programs and 42.0 / 41.6 at ~4096)
+WGMMA_64 = WgmmaConfig(block_rows=64, stages=4, target_programs=1024)
+
+
+def default_wgmma_config(rows: int) -> WgmmaConfig:
+    """The launch configuration for ``rows`` (one of three row buckets: ≤ 64, ≤ 128, more)."""
+    if rows <= 64:
+        return WGMMA_64
+    return WGMMA_128 if rows <= 128 else WGMMA_256
+
+
+def available(device: torch.device) -> bool:
+    """The wgmma path can run on ``device``: Gluon is there, the device is a CUDA device of compute capability
+    9.0 (wgmma is sm_90a only), inline PTX is allowed and ``EXL3RT_KERNEL_NO_WGMMA`` is not set."""
+    if not HAVE_GLUON or device.type != "cuda" or env.KERNEL_NO_WGMMA.get() or env.KERNEL_NO_ASM.get():
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
+
+
+@lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def wgmma_splits(k_tiles: int, programs: int, target: int) -> tuple[int, int]:
+    """(splits, k-tiles per split): ``programs·splits`` about ``target`` (rounded down, at least one split),
+    every split a whole number of chunks and at least two chunks long."""
+    splits = max(1, min(target // max(1, programs), k_tiles // (2 * KC)))
+    k_per = math.ceil(k_tiles / splits / KC) * KC
+    return math.ceil(k_tiles / k_per), k_per
+
+
+if HAVE_GLUON:
+    _KC = gl.constexpr(KC)          # the module's constants, as Gluon reads them
+    _WARPS = gl.constexpr(WARPS)
+
+    @gluon.jit
+    def _decode_tile(w0, w1, w2, rsh, xorc, TEXT: gl.constexpr, CONS: gl.constexpr, NWL: gl.constexpr):
+        """The lane's four f16x2 registers of one tile (positions 0/1, 2/3, 4/5, 6/7)."""
+        if NWL == 2:
+            r = gl.inline_asm_elementwise(TEXT, CONS, [w0, w1, rsh, xorc], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                          is_pure=True, pack=1)
+        else:
+            r = gl.inline_asm_elementwise(TEXT, CONS, [w0, w1, w2, rsh, xorc],
+                                          dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+        return r
+
+    @gluon.jit
+    def _chunk_words(wb, off, kstride, m, idx, NWL: gl.constexpr):
+        """The lane's raw words of the chunk's _KC k-tiles (``off``: the chunk's first k-tile, in words)."""
+        out = ()
+        for kt in gl.static_range(_KC):
+            o = off + kt * kstride
+            out = out + ((gl.load(wb[0] + o, mask=m, other=0), gl.load(wb[1] + o, mask=m, other=0),
+                          gl.load(wb[2] + o, mask=m, other=0) if NWL > 2 else idx),)
+        return out
+
+    @gluon.jit
+    def _halves(r):
+        """An f16x2 register as two fp16 values, joined on a new last dimension (k, k + 1)."""
+        lo = (r & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
+        hi = (r >> 16).to(gl.int16).to(gl.float16, bitcast=True)
+        return gl.join(lo, hi)
+
+    @gluon.jit
+    def _a_operand(wc, rsh, xorc, TEXT: gl.constexpr, CONS: gl.constexpr, NWL: gl.constexpr, DOT: gl.constexpr):
+        """Decode the chunk's _KC tiles per warp into the wgmma A operand ``[64, 64]`` fp16 (Qᵀ: 64 columns × 64 k).
+
+        Per tile a lane holds A registers (row g = lane/4, k = 2·(lane%4)): p01 (g, k..k+1), p45 (g + 8, k),
+        p23 (g, k + 8), p67 (g + 8, k + 8); joins stack them as register dimensions (kl, rh, kh, kt),
+        the reshape splits the thread index into (warp, g, c) and the permute orders the dimensions as
+        (warp, rh, g | kt, kh, c, kl) = [rows, k] — the A layout itself (asserted: no data movement)."""
+        t = ()
+        for kt in gl.static_range(_KC):
+            p01, p23, p45, p67 = _decode_tile(wc[kt][0], wc[kt][1], wc[kt][2], rsh, xorc, TEXT, CONS, NWL)
+            t = t + (gl.join(gl.join(_halves(p01), _halves(p45)), gl.join(_halves(p23), _halves(p67))),)
+        x = gl.join(gl.join(t[0], t[1]), gl.join(t[2], t[3]))        # [128, kl, rh, kh, kt & 1, kt >> 1]
+        x = gl.reshape(x, [_WARPS, 8, 4, 2, 2, 2, 2, 2])               # warp, g, c, kl, rh, kh, ktl, kth
+        x = gl.permute(x, [0, 4, 1, 7, 6, 5, 2, 3])                   # warp, rh, g, kth, ktl, kh, c, kl
+        x = gl.reshape(x, [16 * _WARPS, _KC * 16])
+        return gl.convert_layout(x, DOT, assert_trivial=True)
+
+    # nothing that follows from the row count is a specialization (rows, the partials' split stride, the
+    # k-tiles per split): a prewarm at one row count of a bucket covers the others
+    @gluon.jit(do_not_specialize=["rows", "k_per", "stride_zs", "one"])
+    def _wgmma_kernel(x_desc, w_ptr, z_ptr, rows, k_tiles, n_tiles, k_per, stride_zs, one,
+                      KA: gl.constexpr, HALF: gl.constexpr, NWL: gl.constexpr, TEXT: gl.constexpr,
+                      CONS: gl.constexpr, BR: gl.constexpr, STAGES: gl.constexpr):
+        """Program (pid_n, pid_m, pid_k): columns ``64·pid_n …``, rows ``BR·pid_m …``, k-tiles
+        ``[pid_k·k_per, …)`` of ``z[pid_k] = x'·Q``; ``x_desc``: TMA descriptor of x' ([rows, K] fp16,
+        ``[BR, 64]`` boxes)."""
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        pid_k = gl.program_id(2)
+        a0 = pid_k * k_per
+        nchunks = (gl.minimum(a0 + k_per, k_tiles) - a0) // _KC
+        NW: gl.constexpr = 8 * KA + 4 * HALF                      # words per tile
+        LANES: gl.constexpr = gl.BlockedLayout([1], [32], [_WARPS], [0])
+        idx = gl.arange(0, 32 * _WARPS, layout=LANES)
+        lane = idx % 32
+        e_end = (8 * lane + 8) * KA + HALF * (4 * lane + 4)       # the lane's last bit + 1 in its tile's ring
+        last = (e_end - 1) // 32
+        rsh = 32 * (last + 1) - e_end
+        xorc = (lane * 0 + one * 0x3B603B60).to(gl.uint32).to(gl.int32, bitcast=True)   # a register operand
+        kstride = n_tiles * NW
+        tile = w_ptr + (pid_n * _WARPS + idx // 32) * NW + a0 * kstride
+        wb = (tile + (last - NWL + 1 + NW) % NW, tile + (last - NWL + 2 + NW) % NW, tile + (last - NWL + 3 + NW) % NW)
+
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_WARPS, 1],
+                                                     instr_shape=[16, BR, 16])
+        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        acc = gl.zeros([16 * _WARPS, BR], gl.float32, MMA)
+        xs = gl.allocate_shared_memory(gl.float16, [STAGES, BR, _KC * 16], x_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(bars.index(s), count=1)
+        m0 = pid_m * BR
+        for s in gl.static_range(STAGES):
+            mbarrier.expect(bars.index(s), x_desc.block_type.nbytes, pred=s < nchunks)
+            tma.async_copy_global_to_shared(x_desc, [m0, (a0 + s * _KC) * 16], bars.index(s), xs.index(s),
+                                            pred=s < nchunks)
+        wc = _chunk_words(wb, 0, kstride, nchunks > 0, idx, NWL)
+        for c in range(nchunks):
+            wn = _chunk_words(wb, (c + 1) * _KC * kstride, kstride, c + 1 < nchunks, idx, NWL)
+            a = _a_operand(wc, rsh, xorc, TEXT, CONS, NWL, DOT)
+            st = c % STAGES
+            mbarrier.wait(bars.index(st), (c // STAGES) & 1)
+            acc = warpgroup_mma(a, xs.index(st).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            more = c + STAGES < nchunks                             # the buffer is free: next chunk for it
+            mbarrier.expect(bars.index(st), x_desc.block_type.nbytes, pred=more)
+            tma.async_copy_global_to_shared(x_desc, [m0, (a0 + (c + STAGES) * _KC) * 16], bars.index(st),
+                                            xs.index(st), pred=more)
+            wc = wn
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(s))
+        nn = gl.arange(0, 16 * _WARPS, layout=gl.SliceLayout(1, MMA))
+        mm = gl.arange(0, BR, layout=gl.SliceLayout(0, MMA))
+        offs = (m0 + mm)[None, :].to(gl.int64) * (n_tiles * 16) + (pid_n * 16 * _WARPS + nn)[:, None]
+        gl.store(z_ptr + pid_k.to(gl.int64) * stride_zs + offs, acc, mask=((m0 + mm) < rows)[None, :])
+
+
+def wgmma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Optional[WgmmaConfig] = None,
+                  ) -> torch.Tensor:
+    """Split-K partials ``z [splits, rows, out_p]`` (fp32) of ``xh [rows, in_p]`` (fp16, row-major, 16-byte
+    aligned rows) times the layer's Q, on a device where :func:`available` holds."""
+    from ..format.bits import bits_from_trellis
+    from .lane_decode import lane_decode_ptx, lane_span_words
+    from .linear import _cb_args, _kernel_bits
+    if not available(xh.device):
+        raise RuntimeError("the wgmma kernel needs a CUDA device of compute capability 9.0 and Triton's Gluon "
+                           "(and EXL3RT_KERNEL_NO_WGMMA / EXL3RT_KERNEL_NO_ASM unset)")
+    rows, in_p = xh.shape
+    k_tiles, n_tiles = int(trellis.shape[0]), int(trellis.shape[1])
+    if xh.dtype != torch.float16 or in_p != 16 * k_tiles or xh.stride(1) != 1 or xh.stride(0) != in_p:
+        raise ValueError(f"wgmma_rotated: x' must be a row-major fp16 [rows, {16 * k_tiles}], got "
+                         f"{xh.dtype} {tuple(xh.shape)} strides {xh.stride()}")
+    if k_tiles % KC or n_tiles % WARPS:
+        raise ValueError(f"wgmma_rotated: widths must be multiples of 64 ({16 * k_tiles} × {16 * n_tiles})")
+    cfg = cfg or default_wgmma_config(rows)
+    ka, half = _kernel_bits(bits_from_trellis(trellis))
+    cb, mult, add = _cb_args(codebook)
+    text, cons, _ = lane_decode_ptx(ka, half, cb, mult, add)
+    grid_n, grid_m = n_tiles // WARPS, math.ceil(rows / cfg.block_rows)
+    # the split follows from the layer and the row bucket, never from the row count itself (the post-pass
+    # specializes on it): a prewarm at one row count of the bucket covers every other
+    splits, k_per = wgmma_splits(k_tiles, grid_n, cfg.target_programs)
+    z = torch.empty((splits, rows, n_tiles * 16), dtype=torch.float32, device=xh.device)
+    desc = TensorDescriptor.from_tensor(xh, [cfg.block_rows, KC * 16], _x_layout(cfg.block_rows))
+    _wgmma_kernel[(grid_n, grid_m, splits)](desc, trellis.view(torch.int32), z, rows, k_tiles, n_tiles, k_per,
+                                            z.stride(0), 1, KA=ka, HALF=half, NWL=lane_span_words(ka, half),
+                                            TEXT=text, CONS=cons, BR=cfg.block_rows, STAGES=cfg.stages,
+                                            num_warps=WARPS, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+    return z
+
+
+@lru_cache(maxsize=None)
+def _x_layout(block_rows: int):
+    return gl.NVMMASharedLayout.get_default_for([block_rows, KC * 16], gl.float16)
+
+
+__all__ = ["HAVE_GLUON", "WgmmaConfig", "available", "default_wgmma_config", "wgmma_rotated", "wgmma_splits",
+           "WGMMA_64", "WGMMA_128", "WGMMA_256"]

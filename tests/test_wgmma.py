@@ -1,0 +1,102 @@
+"""The Hopper wgmma decode GEMM (``exl3rt.kernels.wgmma``): host-side rules everywhere, numbers on an H200.
+
+Gluon kernels do not run in Triton's interpreter: on CPU (CI) this file checks the launch rules (row buckets,
+K splits, availability, the clear error off Hopper); on a GPU of compute capability 9.0 it checks the kernel
+against float64 products with Q from ``format.decode`` for every codebook, K from 2 to 8 and half-integer
+K, ragged row counts and K splits, and ``exl3_linear`` on the wgmma path against ``format.reconstruct``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_env import DEV, require_kernels
+
+require_kernels()
+
+from exl3rt.format.bits import words16_per_tile  # noqa: E402
+from exl3rt.format.reconstruct import decode, reconstruct  # noqa: E402
+from exl3rt.kernels import linear as kl  # noqa: E402
+from exl3rt.kernels import wgmma as wg  # noqa: E402
+
+ON_HOPPER = wg.available(torch.device(DEV))
+hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA device of compute capability 9.0 (wgmma)")
+
+
+def test_row_buckets_and_splits():
+    assert [wg.default_wgmma_config(r).block_rows for r in (33, 64, 65, 128, 129, 640)] == [64, 64, 128, 128, 256, 256]
+    for k_tiles in (8, 24, 256, 896):
+        for programs in (1, 7, 64, 224, 5000):
+            for target in (256, 1024):
+                splits, k_per = wg.wgmma_splits(k_tiles, programs, target)
+                # whole chunks of 4 k-tiles, at least two per split, every k-tile in exactly one split
+                assert k_per % wg.KC == 0 and k_per >= min(2 * wg.KC, k_tiles)
+                assert (splits - 1) * k_per < k_tiles <= splits * k_per
+                assert splits == 1 or programs * splits <= max(target, programs)
+    assert wg.wgmma_splits(256, 224, 256) == (1, 256)          # 4096 x 14336: one program per column group
+    assert wg.wgmma_splits(896, 64, 256) == (4, 224)           # 14336 x 4096: four K splits
+
+
+def test_off_hopper_it_is_never_chosen_and_says_why(monkeypatch):
+    assert not wg.available(torch.device("cpu"))
+    x = torch.zeros(40, 128, dtype=torch.float16)
+    tr = torch.zeros(8, 8, words16_per_tile(4), dtype=torch.int16)
+    with pytest.raises(RuntimeError, match="compute capability 9.0"):
+        wg.wgmma_rotated(x, tr, "mcg")
+    monkeypatch.setenv("EXL3RT_KERNEL_NO_WGMMA", "1")
+    assert not wg.available(torch.device(DEV))
+
+
+def _codes(in_p, out_p, bits, seed):
+    g = torch.Generator().manual_seed(seed)
+    tr = torch.randint(-32768, 32768, (in_p // 16, out_p // 16, words16_per_tile(bits)), dtype=torch.int16, generator=g)
+    suh = ((torch.rand(in_p, generator=g) + 0.5) * torch.where(torch.rand(in_p, generator=g) < 0.5, -1.0, 1.0)).half()
+    svh = ((torch.rand(out_p, generator=g) + 0.5) * torch.where(torch.rand(out_p, generator=g) < 0.5, -1.0, 1.0)).half()
+    return tr.to(DEV), suh.to(DEV), svh.to(DEV)
+
+
+@hopper
+@pytest.mark.parametrize("bits,codebook", [(2, "mcg"), (3, "mcg"), (4, "mcg"), (5, "3inst"), (6, "mcg"), (8, "mcg"),
+                                           (2.5, "mul1"), (4, "mul1"), (3, "3inst")])
+@pytest.mark.parametrize("rows", [33, 100, 300])
+def test_kernel_against_float64(bits, codebook, rows):
+    """Partials summed over the K splits equal x'·Q in float64 (Q decoded by ``format.decode``)."""
+    in_p, out_p = 1024, 512
+    tr, _, _ = _codes(in_p, out_p, bits, seed=int(10 * bits) + rows)
+    q = decode(tr, bits, codebook).double()
+    x = torch.randn(rows, in_p, device=DEV).half()
+    for cfg in (None, wg.WgmmaConfig(block_rows=64, stages=2, target_programs=10_000)):
+        z = wg.wgmma_rotated(x, tr, codebook, cfg)
+        ref = x.double() @ q
+        rel = float((z.double().sum(0) - ref).norm() / ref.norm())
+        assert rel < 1e-5, (cfg, rel)          # fp32 accumulation of exact fp16 products
+        if cfg is not None:
+            assert z.shape[0] == wg.wgmma_splits(in_p // 16, out_p // 64, 10_000)[0] > 1
+
+
+@hopper
+@pytest.mark.parametrize("rows", [33, 65, 129, 640])
+def test_exl3_linear_takes_the_wgmma_path(rows):
+    """``exl3_linear`` picks the wgmma kernel for 33-640 rows and equals the float64 layer (x' in fp16)."""
+    tr, suh, svh = _codes(2048, 1024, 4, seed=rows)
+    assert kl.choose_path(rows, wgmma=True) == "wgmma"
+    x = torch.randn(rows, 2048, device=DEV)
+    y = kl.exl3_linear(x, tr, suh, svh, "mcg")
+    ref = x.double() @ reconstruct(tr, suh, svh, "mcg", dtype=torch.float64)
+    assert float((y.double() - ref).norm() / ref.norm()) < 1e-3
+
+
+@hopper
+def test_prewarm_then_graph_capture():
+    """After ``prewarm``, a CUDA graph of wgmma-path calls captures without compiling and replays exactly."""
+    tr, suh, svh = _codes(1024, 512, 3, seed=7)
+    kl.prewarm([(1024, 512, 3, "mcg")], device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(200, 1024, device=DEV, dtype=torch.bfloat16)
+    y0 = kl.exl3_linear(x, tr, suh, svh, "mcg")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = kl.exl3_linear(x, tr, suh, svh, "mcg")
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, y0)
