@@ -26,7 +26,7 @@ Two programs share a multiprocessor (~200 registers at BR = 256 with 3 stages, 9
 one decodes while the other's wgmma runs. Measured on the H200 (BENCHMARKS.md) against decode + cuBLAS.
 
 Only on CUDA devices of compute capability 9.0 (``wgmma`` is sm_90a) with Triton's Gluon (checked at
-import: ``HAVE_GLUON``); no interpreter: CI checks the host side (configurations, dispatch) and the GPU
+import: ``HAVE_GLUON``; the kernel builds with Triton 3.6 and 3.9, whose TMA copy changed name); no interpreter: CI checks the host side (configurations, dispatch) and the GPU
 tests check the numbers (``tests/test_wgmma.py``). ``EXL3RT_KERNEL_NO_WGMMA=1`` turns the path off.
 """
 
@@ -109,6 +109,12 @@ def wgmma_splits(k_tiles: int, programs: int, target: int) -> tuple[int, int]:
 if HAVE_GLUON:
     _KC = gl.constexpr(KC)          # the module's constants, as Gluon reads them
     _WARPS = gl.constexpr(WARPS)
+    # the TMA copy: tma.async_copy_global_to_shared up to Triton 3.6, tma.async_load later (same arguments)
+    _tma_copy = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
+    @gluon.jit
+    def _tma_load(desc, coord, bar, dst, pred):
+        _tma_copy(desc, coord, bar, dst, pred=pred)
 
     @gluon.jit
     def _decode_tile(w0, w1, w2, rsh, xorc, TEXT: gl.constexpr, CONS: gl.constexpr, NWL: gl.constexpr):
@@ -193,8 +199,7 @@ if HAVE_GLUON:
         m0 = pid_m * BR
         for s in gl.static_range(STAGES):
             mbarrier.expect(bars.index(s), x_desc.block_type.nbytes, pred=s < nchunks)
-            tma.async_copy_global_to_shared(x_desc, [m0, (a0 + s * _KC) * 16], bars.index(s), xs.index(s),
-                                            pred=s < nchunks)
+            _tma_load(x_desc, [m0, (a0 + s * _KC) * 16], bars.index(s), xs.index(s), s < nchunks)
         wc = _chunk_words(wb, 0, kstride, nchunks > 0, idx, NWL)
         for c in range(nchunks):
             wn = _chunk_words(wb, (c + 1) * _KC * kstride, kstride, c + 1 < nchunks, idx, NWL)
@@ -205,8 +210,7 @@ if HAVE_GLUON:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             more = c + STAGES < nchunks                             # the buffer is free: next chunk for it
             mbarrier.expect(bars.index(st), x_desc.block_type.nbytes, pred=more)
-            tma.async_copy_global_to_shared(x_desc, [m0, (a0 + (c + STAGES) * _KC) * 16], bars.index(st),
-                                            xs.index(st), pred=more)
+            _tma_load(x_desc, [m0, (a0 + (c + STAGES) * _KC) * 16], bars.index(st), xs.index(st), more)
             wc = wn
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
