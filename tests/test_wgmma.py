@@ -1,7 +1,9 @@
 """The Hopper wgmma decode GEMM (``exl3rt.kernels.wgmma``): host-side rules everywhere, numbers on an H200.
 
 Gluon kernels do not run in Triton's interpreter: on CPU (CI) this file checks the launch rules (row buckets,
-K splits, availability, the clear error off Hopper); on a GPU of compute capability 9.0 it checks the kernel
+K splits, availability, the clear error off Hopper) and builds the kernel for sm_90 with the installed
+Triton (its SASS: the register layout change is free, 4 HGMMAs per chunk); on a GPU of compute capability
+9.0 it checks the kernel
 against float64 products with Q from ``format.decode`` for every codebook, K from 2 to 8 and half-integer
 K, ragged row counts and K splits, and ``exl3_linear`` on the wgmma path against ``format.reconstruct``.
 """

@@ -26,7 +26,8 @@ Two programs share a multiprocessor (~200 registers at BR = 256 with 3 stages, 9
 one decodes while the other's wgmma runs. Measured on the H200 (BENCHMARKS.md) against decode + cuBLAS.
 
 Only on CUDA devices of compute capability 9.0 (``wgmma`` is sm_90a) with Triton's Gluon (checked at
-import: ``HAVE_GLUON``; the kernel builds with Triton 3.6 and 3.9, whose TMA copy changed name); no interpreter: CI checks the host side (configurations, dispatch) and the GPU
+import: ``HAVE_GLUON``; the kernel builds with Triton 3.6 and 3.9, whose TMA copy changed name); no
+interpreter: CI checks the host side (configurations, dispatch) and builds the kernel for sm_90, the GPU
 tests check the numbers (``tests/test_wgmma.py``). ``EXL3RT_KERNEL_NO_WGMMA=1`` turns the path off.
 """
 
@@ -120,8 +121,8 @@ if HAVE_GLUON:
     def _decode_tile(w0, w1, w2, rsh, xorc, TEXT: gl.constexpr, CONS: gl.constexpr, NWL: gl.constexpr):
         """The lane's four f16x2 registers of one tile (positions 0/1, 2/3, 4/5, 6/7)."""
         if NWL == 2:
-            r = gl.inline_asm_elementwise(TEXT, CONS, [w0, w1, rsh, xorc], dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                          is_pure=True, pack=1)
+            r = gl.inline_asm_elementwise(TEXT, CONS, [w0, w1, rsh, xorc],
+                                          dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
         else:
             r = gl.inline_asm_elementwise(TEXT, CONS, [w0, w1, w2, rsh, xorc],
                                           dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
