@@ -25,3 +25,15 @@ def require_kernels() -> None:
     if not ON_GPU and not interpreting():
         pytest.skip("no GPU, and exl3rt.kernels was imported before TRITON_INTERPRET=1 could be set",
                     allow_module_level=True)
+
+
+def random_codes(in_p: int, out_p: int, bits, seed: int):
+    """A random EXL3 layer on DEV: trellis ``[in_p/16, out_p/16, 16K]`` int16 and fp16 scales of random sign and
+    magnitude 0.5-1.5 (``suh``, ``svh``)."""
+    from exl3rt.format.bits import words16_per_tile
+    g = torch.Generator().manual_seed(seed)
+    tr = torch.randint(-32768, 32768, (in_p // 16, out_p // 16, words16_per_tile(bits)), dtype=torch.int16,
+                       generator=g)
+    suh = (torch.rand(in_p, generator=g) + 0.5) * torch.where(torch.rand(in_p, generator=g) < 0.5, -1.0, 1.0)
+    svh = (torch.rand(out_p, generator=g) + 0.5) * torch.where(torch.rand(out_p, generator=g) < 0.5, -1.0, 1.0)
+    return tr.to(DEV), suh.half().to(DEV), svh.half().to(DEV)

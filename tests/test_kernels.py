@@ -11,12 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_env import DEV, require_kernels
+from kernel_env import DEV, random_codes as _codes, require_kernels
 from spec_keys import record
 
 require_kernels()
 
-from exl3rt.format.bits import words16_per_tile  # noqa: E402
 from exl3rt.format.reconstruct import decode, reconstruct  # noqa: E402
 from exl3rt.kernels import linear as kl  # noqa: E402
 
@@ -24,15 +23,6 @@ from exl3rt.kernels import linear as kl  # noqa: E402
 GEMV = kl.GemvConfig(nt=16, num_warps=1, target_programs=2)
 DEC = kl.DecodeConfig(nt=8, num_warps=1, k_per=2)
 MMA = kl.MmaConfig(nt=2, num_warps=2, target_programs=2)
-
-
-def _codes(in_p: int, out_p: int, bits, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    tr = torch.randint(-32768, 32768, (in_p // 16, out_p // 16, words16_per_tile(bits)), dtype=torch.int16,
-                       generator=g)
-    suh = (torch.rand(in_p, generator=g) + 0.5) * torch.where(torch.rand(in_p, generator=g) < 0.5, -1.0, 1.0)
-    svh = (torch.rand(out_p, generator=g) + 0.5) * torch.where(torch.rand(out_p, generator=g) < 0.5, -1.0, 1.0)
-    return tr.to(DEV), suh.half().to(DEV), svh.half().to(DEV)
 
 
 def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:

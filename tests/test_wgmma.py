@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_env import DEV, require_kernels
+from kernel_env import DEV, random_codes as _codes, require_kernels
 
 require_kernels()
 
@@ -48,14 +48,6 @@ def test_off_hopper_it_is_never_chosen_and_says_why(monkeypatch):
         wg.wgmma_rotated(x, tr, "mcg")
     monkeypatch.setenv("EXL3RT_KERNEL_NO_WGMMA", "1")
     assert not wg.available(torch.device(DEV))
-
-
-def _codes(in_p, out_p, bits, seed):
-    g = torch.Generator().manual_seed(seed)
-    tr = torch.randint(-32768, 32768, (in_p // 16, out_p // 16, words16_per_tile(bits)), dtype=torch.int16, generator=g)
-    suh = ((torch.rand(in_p, generator=g) + 0.5) * torch.where(torch.rand(in_p, generator=g) < 0.5, -1.0, 1.0)).half()
-    svh = ((torch.rand(out_p, generator=g) + 0.5) * torch.where(torch.rand(out_p, generator=g) < 0.5, -1.0, 1.0)).half()
-    return tr.to(DEV), suh.to(DEV), svh.to(DEV)
 
 
 @hopper

@@ -405,7 +405,7 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Optional[Iterabl
     n = 0
     done = set()
     wg = _wg.available(torch.device(device))
-    rows = prewarm_rows(device) if rows is None else tuple(rows)
+    rows = (WGMMA_PREWARM_ROWS if wg else PREWARM_ROWS) if rows is None else tuple(rows)
     for in_p, out_p, bits, codebook in shapes:
         w = words16_per_tile(bits)
         trellis = torch.randint(-32768, 32767, (in_p // 16, out_p // 16, w), dtype=torch.int16, device=device)
