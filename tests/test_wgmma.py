@@ -2,9 +2,9 @@
 
 Gluon kernels do not run in Triton's interpreter: on CPU (CI) this file checks the launch rules (row buckets,
 K splits, availability, the clear error off Hopper) and builds the kernel for sm_90 with the installed
-Triton (its SASS: the register layout change is free, 4 HGMMAs per chunk); on a GPU of compute capability
-9.0 it checks the kernel
-against float64 products with Q from ``format.decode`` for every codebook, K from 2 to 8 and half-integer
+Triton (its SASS: the register layout change is free, 4 HGMMAs per chunk, and with the overlapped loop no
+instruction writes the A registers of a wgmma still in flight); on a GPU of compute capability 9.0 it checks
+the kernel against float64 products with Q from ``format.decode`` for every codebook, K from 2 to 8 and half-integer
 K, ragged row counts and K splits, and ``exl3_linear`` on the wgmma path against ``format.reconstruct``.
 """
 
@@ -60,13 +60,18 @@ def test_kernel_against_float64(bits, codebook, rows):
     tr, _, _ = _codes(in_p, out_p, bits, seed=int(10 * bits) + rows)
     q = decode(tr, bits, codebook).double()
     x = torch.randn(rows, in_p, device=DEV).half()
-    for cfg in (None, wg.WgmmaConfig(block_rows=64, stages=2, target_programs=10_000)):
+    # the row bucket's own configuration; many splits with 2 buffers; both chunk loops with 1 and 3 chunks
+    # per split (64 k-tiles in 6 splits: 12, 12, 12, 12, 12, 4 k-tiles) and the overlapped loop with 2 buffers
+    for cfg in (None, wg.WgmmaConfig(block_rows=64, stages=2, target_programs=10_000),
+                wg.WgmmaConfig(block_rows=256, stages=3, target_programs=48, overlap=True),
+                wg.WgmmaConfig(block_rows=128, stages=3, target_programs=48),
+                wg.WgmmaConfig(block_rows=64, stages=2, target_programs=10_000, overlap=True)):
         z = wg.wgmma_rotated(x, tr, codebook, cfg)
         ref = x.double() @ q
         rel = float((z.double().sum(0) - ref).norm() / ref.norm())
         assert rel < 1e-5, (cfg, rel)          # fp32 accumulation of exact fp16 products
         if cfg is not None:
-            assert z.shape[0] == wg.wgmma_splits(in_p // 16, out_p // 64, 10_000)[0] > 1
+            assert z.shape[0] == wg.wgmma_splits(in_p // 16, out_p // 64, cfg.target_programs)[0] > 1
 
 
 @hopper
@@ -117,7 +122,7 @@ def _build_sm90(bits, codebook, cfg):
     sig = {"x_desc": mangle_type(desc), "w_ptr": "*i32", "z_ptr": "*fp32", "rows": "i32", "k_tiles": "i32",
            "n_tiles": "i32", "k_per": "i32", "stride_zs": "i32", "one": "i32"}
     const = {"KA": ka, "HALF": half, "NWL": lane_span_words(ka, half), "TEXT": text, "CONS": cons,
-             "BR": cfg.block_rows, "STAGES": cfg.stages}
+             "BR": cfg.block_rows, "STAGES": cfg.stages, "OVERLAP": cfg.overlap}
     sig.update({k: "constexpr" for k in const})
     k = triton.compile(GluonASTSource(fn=wg._wgmma_kernel, signature=sig, constexprs=const),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": wg.WARPS})
@@ -130,16 +135,83 @@ def _build_sm90(bits, codebook, cfg):
         return k.asm["cubin"], subprocess.run([tool, "-c", f.name], capture_output=True, text=True).stdout
 
 
+def inflight_a_writes(sass: str) -> list[str]:
+    """Instructions of the SASS's loops that write a register holding the A operand of a wgmma still in flight.
+
+    Walks each loop containing HGMMAs twice (the second pass sees what the back edge carries): an HGMMA
+    adds its A registers (4 from the named one) to the open group, ``gsb0`` commits it, ``WARPGROUP.DEPBAR.LE
+    gsb0, n`` retires all but the newest n groups; any other instruction whose destination is in a group not
+    yet retired is reported (stores write memory, not their first register)."""
+    import re
+    ins, labels = [], {}
+    for line in sass.splitlines():
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(.*?)\s*;", line)
+        if m:
+            ins.append(m.group(1))
+    found = []
+    for j, text in enumerate(ins):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", text)
+        start = labels.get(m.group(1)) if m else None
+        if start is None or start >= j or not any("HGMMA" in t for t in ins[start:j]):
+            continue
+        groups, open_ = [], set()
+        for _ in range(2):
+            for t in ins[start:j + 1]:
+                if "HGMMA" in t:
+                    a = re.search(r"HGMMA\S*\s+R\d+,\s*R(\d+)", t)
+                    if a:
+                        open_ |= {int(a.group(1)) + i for i in range(4)}
+                    if "gsb0" in t:
+                        groups, open_ = groups + [open_], set()
+                    continue
+                d = re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d+)", t)
+                if d:
+                    keep = int(d.group(1))
+                    groups = groups[len(groups) - keep:] if keep else []
+                    continue
+                w = re.match(r"(@!?U?P\w+\s+)?([A-Z0-9.]+)\s+R(\d+)", t)
+                if w and not w.group(2).startswith(("ST", "RED", "ATOM")) and any(int(w.group(3)) in g for g in groups):
+                    found.append(t)
+    return found
+
+
+def test_the_inflight_check_sees_a_race():
+    """The SASS check itself: a register of a committed, unretired HGMMA's A operand written inside the loop is
+    reported, also when the write comes before the HGMMA in the loop body (the back edge); after the wait
+    that retires the group it is not."""
+    racy = """
+.L_x_3:
+        /*0010*/                   IMAD R169, R2, 0x3, RZ ;
+        /*0020*/                   WARPGROUP.ARRIVE ;
+        /*0030*/                   HGMMA.64x256x16.F32 R24, R168, gdesc[UR8], R24, gsb0 ;
+        /*0040*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*0050*/               @P0 BRA `(.L_x_3) ;
+"""
+    assert inflight_a_writes(racy) == ["IMAD R169, R2, 0x3, RZ"]
+    assert inflight_a_writes(racy.replace("0x1 ;", "0x0 ;")) == []
+    assert inflight_a_writes(racy.replace("R169, R2", "R172, R2")) == []
+
+
 @pytest.mark.skipif(not wg.HAVE_GLUON, reason="Triton without Gluon")
 @pytest.mark.parametrize("bits,codebook,cfg", [(4, "mcg", wg.WGMMA_256), (3, "mcg", wg.WGMMA_128),
-                                               (6, "3inst", wg.WGMMA_64), (2.5, "mul1", wg.WGMMA_256)])
+                                               (6, "3inst", wg.WGMMA_64), (2.5, "mul1", wg.WGMMA_256),
+                                               (3, "mcg", wg.WGMMA_256), (6, "mcg", wg.WGMMA_256)])
 def test_kernel_builds_for_sm90_without_a_gpu(bits, codebook, cfg):
     """The Gluon kernel compiles for sm_90 with this machine's Triton (CI's, whatever its version: Gluon's API
     moves), the decoded registers become the wgmma A operand without data movement (the build asserts it; the
-    SASS has no shared-memory loads or stores besides TMA and the barriers) and each chunk is 4 HGMMAs."""
+    SASS has no shared-memory loads or stores besides TMA and the barriers), each chunk is 4 HGMMAs (the
+    overlapped loop has 3 chunk sites: even, odd, a last odd chunk) and no instruction writes the A registers
+    of a wgmma in flight."""
     _, sass = _build_sm90(bits, codebook, cfg)
     if sass is None:
         pytest.skip("no nvdisasm next to Triton's ptxas")
-    assert sass.count("HGMMA.64x%dx16" % cfg.block_rows) == 4
+    assert sass.count("HGMMA.64x%dx16" % cfg.block_rows) == (12 if cfg.overlap else 4)
     for op in ("STS", "LDS", "STSM", "LDSM"):
         assert f" {op}" not in sass and f"{op}." not in sass, op
+    assert inflight_a_writes(sass) == []
+    if cfg.overlap:
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass      # one group in flight: the decode runs under it

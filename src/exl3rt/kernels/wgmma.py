@@ -17,13 +17,16 @@ Split-K partials ``z[split, m, n] = Σ_{k in split} x'[m, k]·Q[k, n]`` like :mo
   box through a transposed view.
 
 Each chunk of 4 k-tiles: load the next chunk's trellis words (NWL 32-bit loads per lane and tile), decode,
-wait for the x' box, ``wgmma`` (async, then waited for: measured faster than keeping one group in flight
-with A in registers — which ptxas serializes or races on — or in shared memory), refill the box's buffer.
+wait for the x' box, ``wgmma``, refill the box's buffer. Two chunk loops: up to 128 rows per program the
+``wgmma`` is waited for before the next decode; with 256 rows per program (``WgmmaConfig.overlap``) one
+wgmma group stays in flight and the next chunk is decoded under it — the even and odd chunks' A operands
+are two variables (the loop is unrolled by two), so the decode never writes the registers of the wgmma in
+flight (one variable carried around the loop did exactly that: ptxas does not keep an outstanding wgmma's
+A registers from an LLVM value that is dead after it; the sm_90 build test checks the SASS for such writes).
 The accumulators (``[64, BR]`` fp32, BR/2 registers per thread) are stored transposed into the partials;
 the post-pass (:func:`exl3rt.kernels.hadamard.had`) sums the splits and rotates, as for the mma GEMV.
 
-Two programs share a multiprocessor (~200 registers at BR = 256 with 3 stages, 96 KB of shared memory each):
-one decodes while the other's wgmma runs. Measured on the H200 (BENCHMARKS.md) against decode + cuBLAS.
+Two programs share a multiprocessor (~215 registers at BR = 256 with 3 stages, 96 KB of shared memory each). Measured on the H200 (BENCHMARKS.md) against decode + cuBLAS.
 
 Only on CUDA devices of compute capability 9.0 (``wgmma`` is sm_90a) with Triton's Gluon (checked at
 import: ``HAVE_GLUON``; the kernel builds with Triton 3.6 and 3.9, whose TMA copy changed name); no
@@ -59,23 +62,30 @@ except Exception:  # pragma: no cover - no Triton, or a Triton without these nam
 @dataclass(frozen=True)
 class WgmmaConfig:
     """``block_rows``: rows per program (the wgmma's N: 64, 128 or 256); ``stages``: x' buffers in flight;
-    ``target_programs``: column groups × K splits the split aims at (each split at least 2 chunks of K)."""
+    ``target_programs``: column groups × K splits the split aims at (each split at least 2 chunks of K);
+    ``overlap``: decode chunk c + 1 while chunk c's wgmma runs (one wgmma group in flight) instead of waiting
+    for each chunk's wgmma before decoding the next."""
     block_rows: int = 256
     stages: int = 3
     target_programs: int = 256
     maxnreg: int = 0          # a register cap per thread (0: ptxas decides)
+    overlap: bool = False
 
 
 # H200, 2026-12-01, kernel alone, 8 rotated weight copies, one graph per call (4096×14336 / 14336×4096, K4):
 # 256 rows per program with 3 x' buffers (2 programs per SM) best from 129 rows up (rows 256: 63.3 / 58.4 µs;
 # 512: 122.8 / 106.8) against 128 rows per program, 2 or 4 buffers, 8 warps (128 columns per program) and
-# A through shared memory with one wgmma group in flight; K split so that ~256 programs run
-WGMMA_256 = WgmmaConfig(block_rows=256, stages=3, target_programs=256)
+# A through shared memory with one wgmma group in flight; K split so that ~256 programs run.
+# Overlapped decode (2026-12-01, same bench, 4 runs): rows 256 K6 64.5-64.8 / 59.9-61.3 µs vs 77.6-78.5 /
+# 70.8-76.9, K2 60.8-61.3 / 57.0-57.8 vs 63.2-66.7, K4 within ±1 % (55.4-60.8 vs 55.7-60.6), rows 512 K4
+# 119.2-119.5 / 107.5-107.9 vs 117.7-118.5 / 106.7-108.1; 8 warps, 4-6 buffers, deeper word prefetch: no better
+WGMMA_256 = WgmmaConfig(block_rows=256, stages=3, target_programs=256, overlap=True)
 # 65-128 rows: 128 rows per program, ~512 programs (rows 128: 45.3 / 40.7 µs vs 53.8 / 48.3 at ~256 programs and
-# 52.1 / 49.8 with 4 buffers at ~1024; 256 rows per program 63-88)
+# 52.1 / 49.8 with 4 buffers at ~1024; 256 rows per program 63-88); the overlapped loop is slower here (K4
+# 56.7-58.3 / 45.8-56.6 vs 45.5-45.7 / 40.9-41.1 with 3-5 buffers; K6 62.3 / 49.6 vs 48.2 / 46.5)
 WGMMA_128 = WgmmaConfig(block_rows=128, stages=3, target_programs=512)
 # 33-64 rows: 64 rows per program, 4 buffers, ~1024 programs (rows 64: 36.0 / 44.7 µs at 4 splits; rows 48:
-# 37.9 / 34.8 µs vs 36.2 / 38.4 at ~2048 programs and 42.0 / 41.6 at ~4096)
+# 37.9 / 34.8 µs vs 36.2 / 38.4 at ~2048 programs and 42.0 / 41.6 at ~4096; overlapped 37.3-37.8 / 37.6-38.5)
 WGMMA_64 = WgmmaConfig(block_rows=64, stages=4, target_programs=1024)
 
 
@@ -163,12 +173,55 @@ if HAVE_GLUON:
         x = gl.reshape(x, [16 * _WARPS, _KC * 16])
         return gl.convert_layout(x, DOT, assert_trivial=True)
 
+    @gluon.jit
+    def _refill(x_desc, xs, bars, st, m0, kt, more):
+        """Buffer ``st`` is free: its next box (x' columns from k-tile ``kt``), if ``more``."""
+        mbarrier.expect(bars.index(st), x_desc.block_type.nbytes, pred=more)
+        _tma_load(x_desc, [m0, kt * 16], bars.index(st), xs.index(st), more)
+
+    @gluon.jit
+    def _overlapped_chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
+                           TEXT: gl.constexpr, CONS: gl.constexpr, NWL: gl.constexpr, DOT: gl.constexpr,
+                           STAGES: gl.constexpr):
+        """The chunk loop with one wgmma group in flight: chunk c + 1 is decoded while chunk c's wgmma runs.
+
+        The A operands of even and odd chunks are two variables (the loop is unrolled by two), so the chunk
+        being decoded never shares registers with the one in flight (ptxas keeps an in-flight wgmma's A
+        registers; one variable carried around the loop let the decode rewrite them — a race the sm_90 build
+        test now looks for in the SASS). A buffer is refilled once the wgmma reading it has retired."""
+        a_ev = _a_operand(wc, rsh, xorc, TEXT, CONS, NWL, DOT)
+        wc = _chunk_words(wb, _KC * kstride, kstride, nchunks > 1, idx, NWL)
+        for c2 in range(nchunks // 2):
+            c = 2 * c2
+            st = c % STAGES
+            mbarrier.wait(bars.index(st), (c // STAGES) & 1)
+            acc = warpgroup_mma(a_ev, xs.index(st).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))           # chunk c - 1 retired
+            _refill(x_desc, xs, bars, (c + STAGES - 1) % STAGES, m0, a0 + (c - 1 + STAGES) * _KC,
+                    (c >= 1) & (c - 1 + STAGES < nchunks))
+            a_od = _a_operand(wc, rsh, xorc, TEXT, CONS, NWL, DOT)
+            wc = _chunk_words(wb, (c + 2) * _KC * kstride, kstride, c + 2 < nchunks, idx, NWL)
+            st = (c + 1) % STAGES
+            mbarrier.wait(bars.index(st), ((c + 1) // STAGES) & 1)
+            acc = warpgroup_mma(a_od, xs.index(st).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))           # chunk c retired
+            _refill(x_desc, xs, bars, c % STAGES, m0, a0 + (c + STAGES) * _KC, c + STAGES < nchunks)
+            a_ev = _a_operand(wc, rsh, xorc, TEXT, CONS, NWL, DOT)
+            wc = _chunk_words(wb, (c + 3) * _KC * kstride, kstride, c + 3 < nchunks, idx, NWL)
+        if nchunks % 2 == 1:                    # an odd count: the last chunk, decoded by the loop, alone
+            c = nchunks - 1
+            st = c % STAGES
+            mbarrier.wait(bars.index(st), (c // STAGES) & 1)
+            acc = warpgroup_mma(a_ev, xs.index(st).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
     # nothing that follows from the row count is a specialization (rows, the partials' split stride, the
     # k-tiles per split): a prewarm at one row count of a bucket covers the others
     @gluon.jit(do_not_specialize=["rows", "k_per", "stride_zs", "one"])
     def _wgmma_kernel(x_desc, w_ptr, z_ptr, rows, k_tiles, n_tiles, k_per, stride_zs, one,
                       KA: gl.constexpr, HALF: gl.constexpr, NWL: gl.constexpr, TEXT: gl.constexpr,
-                      CONS: gl.constexpr, BR: gl.constexpr, STAGES: gl.constexpr):
+                      CONS: gl.constexpr, BR: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr):
         """Program (pid_n, pid_m, pid_k): columns ``64·pid_n …``, rows ``BR·pid_m …``, k-tiles
         ``[pid_k·k_per, …)`` of ``z[pid_k] = x'·Q``; ``x_desc``: TMA descriptor of x' ([rows, K] fp16,
         ``[BR, 64]`` boxes)."""
@@ -199,20 +252,21 @@ if HAVE_GLUON:
             mbarrier.init(bars.index(s), count=1)
         m0 = pid_m * BR
         for s in gl.static_range(STAGES):
-            mbarrier.expect(bars.index(s), x_desc.block_type.nbytes, pred=s < nchunks)
-            _tma_load(x_desc, [m0, (a0 + s * _KC) * 16], bars.index(s), xs.index(s), s < nchunks)
+            _refill(x_desc, xs, bars, s, m0, a0 + s * _KC, s < nchunks)
         wc = _chunk_words(wb, 0, kstride, nchunks > 0, idx, NWL)
-        for c in range(nchunks):
-            wn = _chunk_words(wb, (c + 1) * _KC * kstride, kstride, c + 1 < nchunks, idx, NWL)
-            a = _a_operand(wc, rsh, xorc, TEXT, CONS, NWL, DOT)
-            st = c % STAGES
-            mbarrier.wait(bars.index(st), (c // STAGES) & 1)
-            acc = warpgroup_mma(a, xs.index(st).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            more = c + STAGES < nchunks                             # the buffer is free: next chunk for it
-            mbarrier.expect(bars.index(st), x_desc.block_type.nbytes, pred=more)
-            _tma_load(x_desc, [m0, (a0 + (c + STAGES) * _KC) * 16], bars.index(st), xs.index(st), more)
-            wc = wn
+        if OVERLAP:
+            acc = _overlapped_chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
+                                     TEXT, CONS, NWL, DOT, STAGES)
+        else:
+            for c in range(nchunks):
+                wn = _chunk_words(wb, (c + 1) * _KC * kstride, kstride, c + 1 < nchunks, idx, NWL)
+                a = _a_operand(wc, rsh, xorc, TEXT, CONS, NWL, DOT)
+                st = c % STAGES
+                mbarrier.wait(bars.index(st), (c // STAGES) & 1)
+                acc = warpgroup_mma(a, xs.index(st).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                _refill(x_desc, xs, bars, st, m0, a0 + (c + STAGES) * _KC, c + STAGES < nchunks)
+                wc = wn
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
         nn = gl.arange(0, 16 * _WARPS, layout=gl.SliceLayout(1, MMA))
@@ -251,6 +305,7 @@ def wgmma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: O
     _wgmma_kernel[(grid_n, grid_m, splits)](desc, trellis.view(torch.int32), z, rows, k_tiles, n_tiles, k_per,
                                             z.stride(0), 1, KA=ka, HALF=half, NWL=lane_span_words(ka, half),
                                             TEXT=text, CONS=cons, BR=cfg.block_rows, STAGES=cfg.stages,
+                                            OVERLAP=cfg.overlap,
                                             num_warps=WARPS, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return z
 
