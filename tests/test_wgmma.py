@@ -122,10 +122,10 @@ def _build_sm90(bits, codebook, cfg):
     sig = {"x_desc": mangle_type(desc), "w_ptr": "*i32", "z_ptr": "*fp32", "rows": "i32", "k_tiles": "i32",
            "n_tiles": "i32", "k_per": "i32", "stride_zs": "i32", "one": "i32"}
     const = {"KA": ka, "HALF": half, "NWL": lane_span_words(ka, half), "TEXT": text, "CONS": cons,
-             "BR": cfg.block_rows, "STAGES": cfg.stages, "OVERLAP": cfg.overlap}
+             "BR": cfg.block_rows, "STAGES": cfg.stages, "OVERLAP": cfg.overlap, "PDL": cfg.pdl}
     sig.update({k: "constexpr" for k in const})
     k = triton.compile(GluonASTSource(fn=wg._wgmma_kernel, signature=sig, constexprs=const),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": wg.WARPS})
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": wg.WARPS, "launch_pdl": cfg.pdl})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     if not os.path.exists(tool):
         return k.asm["cubin"], None
@@ -204,8 +204,9 @@ def test_kernel_builds_for_sm90_without_a_gpu(bits, codebook, cfg):
     """The Gluon kernel compiles for sm_90 with this machine's Triton (CI's, whatever its version: Gluon's API
     moves), the decoded registers become the wgmma A operand without data movement (the build asserts it; the
     SASS has no shared-memory loads or stores besides TMA and the barriers), each chunk is 4 HGMMAs (the
-    overlapped loop has 3 chunk sites: even, odd, a last odd chunk) and no instruction writes the A registers
-    of a wgmma in flight."""
+    overlapped loop has 3 chunk sites: even, odd, a last odd chunk), no instruction writes the A registers
+    of a wgmma in flight, and with PDL (BR 64) the grid dependency wait sits between the first weight loads and
+    the first x' copy."""
     _, sass = _build_sm90(bits, codebook, cfg)
     if sass is None:
         pytest.skip("no nvdisasm next to Triton's ptxas")
@@ -213,5 +214,7 @@ def test_kernel_builds_for_sm90_without_a_gpu(bits, codebook, cfg):
     for op in ("STS", "LDS", "STSM", "LDSM"):
         assert f" {op}" not in sass and f"{op}." not in sass, op
     assert inflight_a_writes(sass) == []
+    if cfg.pdl:     # PDL: the next grid may launch at once; the first words load before waiting for x' (TMA)
+        assert "PREEXIT" in sass and sass.index(" LDG") < sass.index("ACQBULK") < sass.index("UTMALDG")
     if cfg.overlap:
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass      # one group in flight: the decode runs under it

@@ -355,11 +355,14 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
         _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0), pdl=pdl)
         return y
     xh = torch.empty((rows, in_p), dtype=torch.float16, device=x.device)
-    _had(x, suh, xh, pre=True)
     if path == "wgmma":
-        z = _wg.wgmma_rotated(xh, trellis, codebook)
-        _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0))
+        wcfg = _wg.default_wgmma_config(rows)
+        pdl = wcfg.pdl and _use_pdl(x.device)
+        _had(x, suh, xh, pre=True, pdl=pdl)
+        z = _wg.wgmma_rotated(xh, trellis, codebook, wcfg, pdl=pdl)
+        _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0), pdl=pdl)
         return y
+    _had(x, suh, xh, pre=True)
     q = decode_fp16(trellis, codebook, decode_cfg)
     z = torch.matmul(xh, q).float() if x.device.type == "cpu" else _mm_fp32(xh, q)
     _had(z, svh, y, pre=False)

@@ -64,12 +64,14 @@ class WgmmaConfig:
     """``block_rows``: rows per program (the wgmma's N: 64, 128 or 256); ``stages``: x' buffers in flight;
     ``target_programs``: column groups × K splits the split aims at (each split at least 2 chunks of K);
     ``overlap``: decode chunk c + 1 while chunk c's wgmma runs (one wgmma group in flight) instead of waiting
-    for each chunk's wgmma before decoding the next."""
+    for each chunk's wgmma before decoding the next; ``pdl``: ``exl3_linear`` launches the call's three
+    kernels with programmatic dependent launch (where the device and Triton support it)."""
     block_rows: int = 256
     stages: int = 3
     target_programs: int = 256
     maxnreg: int = 0          # a register cap per thread (0: ptxas decides)
     overlap: bool = False
+    pdl: bool = False
 
 
 # H200, 2026-12-01, kernel alone, 8 rotated weight copies, one graph per call (4096×14336 / 14336×4096, K4):
@@ -85,8 +87,11 @@ WGMMA_256 = WgmmaConfig(block_rows=256, stages=3, target_programs=256, overlap=T
 # 56.7-58.3 / 45.8-56.6 vs 45.5-45.7 / 40.9-41.1 with 3-5 buffers; K6 62.3 / 49.6 vs 48.2 / 46.5)
 WGMMA_128 = WgmmaConfig(block_rows=128, stages=3, target_programs=512)
 # 33-64 rows: 64 rows per program, 4 buffers, ~1024 programs (rows 64: 36.0 / 44.7 µs at 4 splits; rows 48:
-# 37.9 / 34.8 µs vs 36.2 / 38.4 at ~2048 programs and 42.0 / 41.6 at ~4096; overlapped 37.3-37.8 / 37.6-38.5)
-WGMMA_64 = WgmmaConfig(block_rows=64, stages=4, target_programs=1024)
+# 37.9 / 34.8 µs vs 36.2 / 38.4 at ~2048 programs and 42.0 / 41.6 at ~4096; overlapped 37.3-37.8 / 37.6-38.5).
+# PDL (whole calls, same day, K4 / K6): rows 33 44.3-44.6 / 41.8-43.0 µs vs 46.1-46.6 / 42.9-44.5, rows 64
+# 47.7-48.7 / 42.6-44.5 vs 48.0-48.9 / 44.3-46.8; at 128 rows +4.4 µs on 4096×14336 (-2 on 14336×4096), 256
+# rows ±0.6, 512 rows +4.3-7.0: the early-launched next grid takes room from the multi-wave wgmma grid
+WGMMA_64 = WgmmaConfig(block_rows=64, stages=4, target_programs=1024, pdl=True)
 
 
 def default_wgmma_config(rows: int) -> WgmmaConfig:
@@ -174,6 +179,11 @@ if HAVE_GLUON:
         return gl.convert_layout(x, DOT, assert_trivial=True)
 
     @gluon.jit
+    def _gdc(INSTR: gl.constexpr):
+        """A grid dependency control instruction (``griddepcontrol.wait`` / ``.launch_dependents``)."""
+        gl.inline_asm_elementwise(INSTR + " // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _refill(x_desc, xs, bars, st, m0, kt, more):
         """Buffer ``st`` is free: its next box (x' columns from k-tile ``kt``), if ``more``."""
         mbarrier.expect(bars.index(st), x_desc.block_type.nbytes, pred=more)
@@ -221,10 +231,14 @@ if HAVE_GLUON:
     @gluon.jit(do_not_specialize=["rows", "k_per", "stride_zs", "one"])
     def _wgmma_kernel(x_desc, w_ptr, z_ptr, rows, k_tiles, n_tiles, k_per, stride_zs, one,
                       KA: gl.constexpr, HALF: gl.constexpr, NWL: gl.constexpr, TEXT: gl.constexpr,
-                      CONS: gl.constexpr, BR: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr):
+                      CONS: gl.constexpr, BR: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+                      PDL: gl.constexpr = False):
         """Program (pid_n, pid_m, pid_k): columns ``64·pid_n …``, rows ``BR·pid_m …``, k-tiles
         ``[pid_k·k_per, …)`` of ``z[pid_k] = x'·Q``; ``x_desc``: TMA descriptor of x' ([rows, K] fp16,
-        ``[BR, 64]`` boxes)."""
+        ``[BR, 64]`` boxes). ``PDL`` (programmatic dependent launch): the next kernel may launch now; the
+        first chunk's words are loaded before waiting for the previous kernel (which writes x')."""
+        if PDL:
+            _gdc("griddepcontrol.launch_dependents;")
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         pid_k = gl.program_id(2)
@@ -251,9 +265,11 @@ if HAVE_GLUON:
         for s in gl.static_range(STAGES):
             mbarrier.init(bars.index(s), count=1)
         m0 = pid_m * BR
+        wc = _chunk_words(wb, 0, kstride, nchunks > 0, idx, NWL)
+        if PDL:
+            _gdc("griddepcontrol.wait;")
         for s in gl.static_range(STAGES):
             _refill(x_desc, xs, bars, s, m0, a0 + s * _KC, s < nchunks)
-        wc = _chunk_words(wb, 0, kstride, nchunks > 0, idx, NWL)
         if OVERLAP:
             acc = _overlapped_chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
                                      TEXT, CONS, NWL, DOT, STAGES)
@@ -276,9 +292,10 @@ if HAVE_GLUON:
 
 
 def wgmma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Optional[WgmmaConfig] = None,
-                  ) -> torch.Tensor:
+                  pdl: bool = False) -> torch.Tensor:
     """Split-K partials ``z [splits, rows, out_p]`` (fp32) of ``xh [rows, in_p]`` (fp16, row-major, 16-byte
-    aligned rows) times the layer's Q, on a device where :func:`available` holds."""
+    aligned rows) times the layer's Q, on a device where :func:`available` holds. ``pdl``: launch as a
+    programmatic dependent of the kernel that wrote ``xh`` (and let the next one launch early)."""
     from ..format.bits import bits_from_trellis
     from .lane_decode import lane_decode_ptx, lane_span_words
     from .linear import _cb_args, _kernel_bits
@@ -302,11 +319,13 @@ def wgmma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: O
     splits, k_per = wgmma_splits(k_tiles, grid_n, cfg.target_programs)
     z = torch.empty((splits, rows, n_tiles * 16), dtype=torch.float32, device=xh.device)
     desc = TensorDescriptor.from_tensor(xh, [cfg.block_rows, KC * 16], _x_layout(cfg.block_rows))
+    extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
+    if pdl:
+        extra.update(PDL=True, launch_pdl=True)
     _wgmma_kernel[(grid_n, grid_m, splits)](desc, trellis.view(torch.int32), z, rows, k_tiles, n_tiles, k_per,
                                             z.stride(0), 1, KA=ka, HALF=half, NWL=lane_span_words(ka, half),
                                             TEXT=text, CONS=cons, BR=cfg.block_rows, STAGES=cfg.stages,
-                                            OVERLAP=cfg.overlap,
-                                            num_warps=WARPS, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+                                            OVERLAP=cfg.overlap, num_warps=WARPS, **extra)
     return z
 
 
