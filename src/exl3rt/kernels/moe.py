@@ -38,6 +38,7 @@ from ..format.hadamard import hadamard_blocks
 from ..moe.routing import ID_DTYPES, RoutePack, pack_routes, route_capacity
 from ..util.ints import next_pow2
 from . import mma as _mm
+from . import moe_wgmma as _mwg
 from ._triton import HAVE_TRITON, tl, triton
 from .linear import _cb_args, _kernel_bits, _use_asm, gemv_splits
 
@@ -371,7 +372,9 @@ class GlueLaunch:
     warps of the pre- and mid-pass, split-K partials per load of the mid- and post-pass, warps of the post
     pass (0: by top-k) and whether x'/h' are written in the tiered launch's fragment order (where the route
     block allows it, :func:`frag_blocks`); ``skip_padding``: the tiered launches count each route block's live
-    routes and leave its padding slots out (no x' loads, no stores, no mma for 16-row blocks of padding only).
+    routes and leave its padding slots out (no x' loads, no stores, no mma for 16-row blocks of padding only);
+    ``wgmma``: route blocks of 64/128 run on the Hopper wgmma tiered launch where it is available
+    (:mod:`exl3rt.kernels.moe_wgmma`; x'/h' then row-major, ``frag`` and ``skip_padding`` do not apply).
     :func:`default_glue` gives the measured defaults; a tuning override of :func:`exl3_moe`."""
 
     pre_rows: int = 4
@@ -383,6 +386,7 @@ class GlueLaunch:
     post_warps: int = 1
     frag: bool = False
     skip_padding: bool = True
+    wgmma: bool = True
 
 
 def default_glue(block_m: int) -> GlueLaunch:
@@ -428,7 +432,8 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     gate_suh = w.gate_suh.contiguous() if two else up_suh
     xs = torch.empty((2 if two else 1, slots, H), dtype=torch.float16, device=dev)
     pos = torch.empty(max(numel, 1), dtype=torch.int32, device=dev)
-    frag = frag_blocks(block_m) if glue.frag else 0
+    use_wg = glue.wgmma and _mwg.applies(dev, block_m)
+    frag = frag_blocks(block_m) if glue.frag and not use_wg else 0
     # row blocks and split loads are fixed (never a function of T): one specialization per layer geometry,
     # so a prewarm at any row count covers every T
     br = glue.pre_rows
@@ -440,10 +445,16 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     common = (pack.block_experts, pack.num_padded, w.descriptors, w.shift, block_m, w.codebook)
     tiered = dict(nt=nt, num_warps=num_warps, target_programs=target_programs, zero=False, xfrag=frag > 0,
                   routes=(pack.sorted_routes, numel) if glue.skip_padding else None)
+
+    def launch(xin: torch.Tensor, tiers: list[torch.Tensor], second: Optional[list[torch.Tensor]] = None):
+        if use_wg:
+            return _mwg.tiered_partials_wgmma(xin, tiers, *common, second=second)
+        return tiered_partials(xin, tiers, *common, second=second, **tiered)
+
     if gated:   # gate and up in one launch: partials zgu[0] gate, zgu[1] up
-        zgu = tiered_partials(xs if two else xs[0], w.gate, *common, second=w.up, **tiered)
+        zgu = launch(xs if two else xs[0], w.gate, w.up)
     else:
-        zgu = tiered_partials(xs[0], w.up, *common, **tiered)
+        zgu = launch(xs[0], w.up)
     splits = int(zgu.shape[1])
     up_svh = w.up_svh.contiguous()
     gate_svh = w.gate_svh.contiguous() if gated else up_svh
@@ -455,7 +466,7 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
         I, splits, zgu.stride(1), zgu.stride(0), _row_stride(gate_svh), _row_stride(up_svh), _row_stride(down_suh),
         GATED=gated, BR=brm, SB=glue.mid_splits, BLOCK_M=block_m, FRAG=frag, num_warps=glue.mid_warps)
 
-    zd = tiered_partials(hs, w.down, *common, **tiered)[0]
+    zd = launch(hs, w.down)[0]
     splits = int(zd.shape[0])
     down_svh = w.down_svh.contiguous()
     wts = topk_weights.reshape(-1)

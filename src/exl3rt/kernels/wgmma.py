@@ -226,6 +226,54 @@ if HAVE_GLUON:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
+    @gluon.jit
+    def _waiting_chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
+                        TEXT: gl.constexpr, CONS: gl.constexpr, NWL: gl.constexpr, DOT: gl.constexpr,
+                        STAGES: gl.constexpr):
+        """The chunk loop that waits for each chunk's wgmma before decoding the next (the next chunk's words
+        are loaded first); ``wc``: the first chunk's words."""
+        for c in range(nchunks):
+            wn = _chunk_words(wb, (c + 1) * _KC * kstride, kstride, c + 1 < nchunks, idx, NWL)
+            a = _a_operand(wc, rsh, xorc, TEXT, CONS, NWL, DOT)
+            st = c % STAGES
+            mbarrier.wait(bars.index(st), (c // STAGES) & 1)
+            acc = warpgroup_mma(a, xs.index(st).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            _refill(x_desc, xs, bars, st, m0, a0 + (c + STAGES) * _KC, c + STAGES < nchunks)
+            wc = wn
+        return acc
+
+    @gluon.jit
+    def _chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
+                TEXT: gl.constexpr, CONS: gl.constexpr, NWL: gl.constexpr, DOT: gl.constexpr,
+                STAGES: gl.constexpr, OVERLAP: gl.constexpr):
+        """``acc`` + the program's K range: x' boxes already requested for the first ``STAGES`` chunks."""
+        if OVERLAP:
+            acc = _overlapped_chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
+                                     TEXT, CONS, NWL, DOT, STAGES)
+        else:
+            acc = _waiting_chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
+                                  TEXT, CONS, NWL, DOT, STAGES)
+        return acc
+
+    @gluon.jit
+    def _lanes(w_ptr, tile0, a0, n_tiles, one, KA: gl.constexpr, HALF: gl.constexpr, NWL: gl.constexpr):
+        """Per lane of the warpgroup (warp w: n-tile ``tile0 + w``): the pointers of its NWL words in the
+        tile at k-tile ``a0`` (a tuple of 3; the third unused when NWL = 2), the k-tile stride in words, R
+        (its normalizing shift), the MCG xor constant (a register operand) and the lane index tensor."""
+        NW: gl.constexpr = 8 * KA + 4 * HALF                      # words per tile
+        LANES: gl.constexpr = gl.BlockedLayout([1], [32], [_WARPS], [0])
+        idx = gl.arange(0, 32 * _WARPS, layout=LANES)
+        lane = idx % 32
+        e_end = (8 * lane + 8) * KA + HALF * (4 * lane + 4)       # the lane's last bit + 1 in its tile's ring
+        last = (e_end - 1) // 32
+        rsh = 32 * (last + 1) - e_end
+        xorc = (lane * 0 + one * 0x3B603B60).to(gl.uint32).to(gl.int32, bitcast=True)   # a register operand
+        kstride = n_tiles * NW
+        tile = w_ptr + (tile0 + idx // 32) * NW + a0 * kstride
+        wb = (tile + (last - NWL + 1 + NW) % NW, tile + (last - NWL + 2 + NW) % NW, tile + (last - NWL + 3 + NW) % NW)
+        return wb, kstride, rsh, xorc, idx
+
     # nothing that follows from the row count is a specialization (rows, the partials' split stride, the
     # k-tiles per split): a prewarm at one row count of a bucket covers the others
     @gluon.jit(do_not_specialize=["rows", "k_per", "stride_zs", "one"])
@@ -244,18 +292,7 @@ if HAVE_GLUON:
         pid_k = gl.program_id(2)
         a0 = pid_k * k_per
         nchunks = (gl.minimum(a0 + k_per, k_tiles) - a0) // _KC
-        NW: gl.constexpr = 8 * KA + 4 * HALF                      # words per tile
-        LANES: gl.constexpr = gl.BlockedLayout([1], [32], [_WARPS], [0])
-        idx = gl.arange(0, 32 * _WARPS, layout=LANES)
-        lane = idx % 32
-        e_end = (8 * lane + 8) * KA + HALF * (4 * lane + 4)       # the lane's last bit + 1 in its tile's ring
-        last = (e_end - 1) // 32
-        rsh = 32 * (last + 1) - e_end
-        xorc = (lane * 0 + one * 0x3B603B60).to(gl.uint32).to(gl.int32, bitcast=True)   # a register operand
-        kstride = n_tiles * NW
-        tile = w_ptr + (pid_n * _WARPS + idx // 32) * NW + a0 * kstride
-        wb = (tile + (last - NWL + 1 + NW) % NW, tile + (last - NWL + 2 + NW) % NW, tile + (last - NWL + 3 + NW) % NW)
-
+        wb, kstride, rsh, xorc, idx = _lanes(w_ptr, pid_n * _WARPS, a0, n_tiles, one, KA, HALF, NWL)
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_WARPS, 1],
                                                      instr_shape=[16, BR, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -270,19 +307,8 @@ if HAVE_GLUON:
             _gdc("griddepcontrol.wait;")
         for s in gl.static_range(STAGES):
             _refill(x_desc, xs, bars, s, m0, a0 + s * _KC, s < nchunks)
-        if OVERLAP:
-            acc = _overlapped_chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
-                                     TEXT, CONS, NWL, DOT, STAGES)
-        else:
-            for c in range(nchunks):
-                wn = _chunk_words(wb, (c + 1) * _KC * kstride, kstride, c + 1 < nchunks, idx, NWL)
-                a = _a_operand(wc, rsh, xorc, TEXT, CONS, NWL, DOT)
-                st = c % STAGES
-                mbarrier.wait(bars.index(st), (c // STAGES) & 1)
-                acc = warpgroup_mma(a, xs.index(st).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                _refill(x_desc, xs, bars, st, m0, a0 + (c + STAGES) * _KC, c + STAGES < nchunks)
-                wc = wn
+        acc = _chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
+                      TEXT, CONS, NWL, DOT, STAGES, OVERLAP)
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
         nn = gl.arange(0, 16 * _WARPS, layout=gl.SliceLayout(1, MMA))

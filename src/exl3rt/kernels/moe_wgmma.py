@@ -1,0 +1,181 @@
+"""The MoE tiered launch with Hopper warpgroup MMA (Gluon): prefill route blocks of 64 or 128 slots.
+
+Same contract as :func:`exl3rt.kernels.moe.tiered_partials` (split-K partials ``z [P, splits, slots, out_p]``
+of ``x'[slot]·Q_{e(slot)}`` for every tier in one launch, gate and up as one grid), computed like the dense
+:mod:`exl3rt.kernels.wgmma` kernel with one route block as the wgmma's N: program (64 columns, route block
+j, K split) reads block j's expert and its descriptor ``(tier << shift) | local``, requests the block's x'
+rows (row-major fp16, ``[BR, 64]`` TMA boxes, BR = the route block) and runs the tier's decode-and-wgmma
+loop — K is a compile-time constant per tier, so the kernel holds one loop per tier (up to four) and a
+program runs the one its block needs. Each warp decodes one n-tile of the expert straight into the wgmma A
+registers (the dense kernel's helpers, unchanged), so every decoded tile serves the whole route block.
+
+Used by the fused MoE path (:func:`exl3rt.kernels.moe._fused`) for route blocks of 64/128 on devices
+where :func:`exl3rt.kernels.wgmma.available` holds (x'/h' then row-major); ``GlueLaunch.wgmma=False`` or
+``EXL3RT_KERNEL_NO_WGMMA=1`` keep the mma launch. Padding slots of a live block are computed like routes
+(their z rows are never read). CI builds the kernel for sm_90 (``tests/test_moe_wgmma.py``); the numbers
+are checked on the H200 against the mma launch and float64.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from . import wgmma as _wg
+from .wgmma import HAVE_GLUON, KC, WARPS
+
+#: route blocks the wgmma launch takes (the wgmma's N; TMA boxes of [block, 64] x' rows). H200, 2026-12-01,
+#: hidden 6144, 256 experts top-8, K3/K4 192/64, graph-timed layer calls against the mma launch: blocks of 64
+#: 7418 vs 8636 µs at 2048 rows (I 2048) and 2572 vs 3156 (I 512), 4792 vs 5304 / 1588 vs 1744 at 512 rows; blocks
+#: of 32 slower (4128 vs 3969 / 1345 vs 1327 at 512 rows, 10071 vs 9724 at 2048), so the launch takes 64 and 128
+BLOCKS = (64, 128)
+#: x' buffers per program, and the programs the K split aims at (prefill grids are large: no split then)
+STAGES = 4
+TARGET_PROGRAMS = 1024
+
+if HAVE_GLUON:
+    from .wgmma import _chunk_words, _chunks, _lanes, _refill, gl, gluon, mbarrier
+
+    _KC = gl.constexpr(KC)
+    _WARPS = gl.constexpr(WARPS)
+
+    @gluon.jit
+    def _tier_chunks(acc, xs, bars, x_desc, w_ptr, local, tile0, a0, k_tiles, n_tiles, nchunks, m0, one,
+                     KA: gl.constexpr, HALF: gl.constexpr, NWL: gl.constexpr, TEXT: gl.constexpr,
+                     CONS: gl.constexpr, DOT: gl.constexpr, STAGES: gl.constexpr):
+        """The waiting chunk loop of :mod:`exl3rt.kernels.wgmma` on expert ``local`` of a tier's stack."""
+        estride = k_tiles * n_tiles * (8 * KA + 4 * HALF)          # int32 words per expert
+        wb, kstride, rsh, xorc, idx = _lanes(w_ptr + local.to(gl.int64) * estride, tile0, a0, n_tiles, one,
+                                             KA, HALF, NWL)
+        wc = _chunk_words(wb, 0, kstride, nchunks > 0, idx, NWL)
+        return _chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
+                       TEXT, CONS, NWL, DOT, STAGES, False)
+
+    # nothing that follows from the row count is a specialization (slots, the second input's first row, the
+    # partials' strides, the k-tiles per split): a prewarm at one row count covers the others
+    @gluon.jit(do_not_specialize=["slots", "k_per", "stride_zs", "stride_zp", "xrow_p", "one"])
+    def _moe_wgmma_kernel(x_desc, z_ptr, blk_ptr, desc_ptr, npad_ptr, w0, w1, w2, w3, v0, v1, v2, v3,
+                          slots, k_tiles, n_tiles, k_per, stride_zs, stride_zp, xrow_p, one, n_groups,
+                          SHIFT: gl.constexpr, NTIERS: gl.constexpr,
+                          K0A: gl.constexpr, K0H: gl.constexpr, N0: gl.constexpr, T0: gl.constexpr, C0: gl.constexpr,
+                          K1A: gl.constexpr, K1H: gl.constexpr, N1: gl.constexpr, T1: gl.constexpr, C1: gl.constexpr,
+                          K2A: gl.constexpr, K2H: gl.constexpr, N2: gl.constexpr, T2: gl.constexpr, C2: gl.constexpr,
+                          K3A: gl.constexpr, K3H: gl.constexpr, N3: gl.constexpr, T3: gl.constexpr, C3: gl.constexpr,
+                          BR: gl.constexpr, STAGES: gl.constexpr, NPROJ: gl.constexpr):
+        """Program (column group, route block j, K split): ``z[slot, 64 columns] = x'[slot]·Q_e`` for the BR
+        slots of block j (expert e = blk[j]); blocks past ``npad`` do nothing. NPROJ = 2: column groups from
+        ``n_groups`` on run the second projection (tiers ``v*``, x' rows from ``xrow_p``, partials
+        ``z + stride_zp``). Tier t: K = ``KtA + KtH/2``, NWL ``Nt``, the lane decode's PTX ``Tt`` / ``Ct``."""
+        pid_n = gl.program_id(0)
+        j = gl.program_id(1)
+        pid_k = gl.program_id(2)
+        xrow = 0
+        if NPROJ > 1:
+            if pid_n >= n_groups:
+                pid_n -= n_groups
+                z_ptr += stride_zp
+                xrow = xrow_p
+                w0 = v0
+                w1 = v1
+                w2 = v2
+                w3 = v3
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_WARPS, 1],
+                                                     instr_shape=[16, BR, 16])
+        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        xs = gl.allocate_shared_memory(gl.float16, [STAGES, BR, _KC * 16], x_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        if j * BR < gl.load(npad_ptr):
+            e = gl.load(blk_ptr + j)
+            d = gl.load(desc_ptr + e)
+            tier = d >> SHIFT
+            local = d & ((1 << SHIFT) - 1)
+            a0 = pid_k * k_per
+            nchunks = (gl.minimum(a0 + k_per, k_tiles) - a0) // _KC
+            for s in gl.static_range(STAGES):
+                mbarrier.init(bars.index(s), count=1)
+            m0 = xrow + j * BR
+            for s in gl.static_range(STAGES):
+                _refill(x_desc, xs, bars, s, m0, a0 + s * _KC, s < nchunks)
+            acc = gl.zeros([16 * _WARPS, BR], gl.float32, MMA)
+            tile0 = pid_n * _WARPS
+            if tier == 0:
+                acc = _tier_chunks(acc, xs, bars, x_desc, w0, local, tile0, a0, k_tiles, n_tiles, nchunks, m0, one,
+                                   K0A, K0H, N0, T0, C0, DOT, STAGES)
+            if NTIERS > 1:
+                if tier == 1:
+                    acc = _tier_chunks(acc, xs, bars, x_desc, w1, local, tile0, a0, k_tiles, n_tiles, nchunks, m0,
+                                       one, K1A, K1H, N1, T1, C1, DOT, STAGES)
+            if NTIERS > 2:
+                if tier == 2:
+                    acc = _tier_chunks(acc, xs, bars, x_desc, w2, local, tile0, a0, k_tiles, n_tiles, nchunks, m0,
+                                       one, K2A, K2H, N2, T2, C2, DOT, STAGES)
+            if NTIERS > 3:
+                if tier == 3:
+                    acc = _tier_chunks(acc, xs, bars, x_desc, w3, local, tile0, a0, k_tiles, n_tiles, nchunks, m0,
+                                       one, K3A, K3H, N3, T3, C3, DOT, STAGES)
+            for s in gl.static_range(STAGES):
+                mbarrier.invalidate(bars.index(s))
+            nn = gl.arange(0, 16 * _WARPS, layout=gl.SliceLayout(1, MMA))
+            mm = j * BR + gl.arange(0, BR, layout=gl.SliceLayout(0, MMA))
+            offs = mm[None, :].to(gl.int64) * (n_tiles * 16) + (tile0 * 16 + nn)[:, None]
+            gl.store(z_ptr + pid_k.to(gl.int64) * stride_zs + offs, acc, mask=(mm < slots)[None, :])
+
+
+def applies(device: torch.device, block_m: int) -> bool:
+    """The wgmma tiered launch serves route blocks of ``block_m`` on ``device``."""
+    return block_m in BLOCKS and _wg.available(device)
+
+
+def tiered_partials_wgmma(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], block_experts: torch.Tensor,
+                          num_padded: torch.Tensor, descriptors: torch.Tensor, shift: int, block_m: int,
+                          codebook: str, *, second: Optional[Sequence[torch.Tensor]] = None,
+                          target_programs: int = TARGET_PROGRAMS) -> torch.Tensor:
+    """:func:`exl3rt.kernels.moe.tiered_partials` (``zero=False``) on the wgmma kernel: ``xs`` row-major fp16
+    ``[slots, in_p]`` or ``[2, slots, in_p]`` (one input per projection with ``second``); returns fp32
+    partials ``[P, splits, slots, out_p]`` (rows of slots outside live blocks unwritten)."""
+    from ..format.bits import bits_from_trellis
+    from .lane_decode import lane_decode_ptx, lane_span_words
+    from .linear import _cb_args, _kernel_bits
+    from .moe import MAX_TIERS, _check_stacks
+    name = "tiered_partials_wgmma"
+    if not applies(xs.device, block_m):
+        raise RuntimeError(f"{name}: needs route blocks of {BLOCKS} on a device where the wgmma kernel runs "
+                           f"(compute capability 9.0, Gluon), got block {block_m} on {xs.device}")
+    k_tiles, n_tiles = _check_stacks(name, tier_trellis)
+    nproj = 1 if second is None else 2
+    if second is not None:
+        _check_stacks(name, second)
+        if [tuple(a.shape) for a in second] != [tuple(a.shape) for a in tier_trellis]:
+            raise ValueError(f"{name}: the second projection's tiers do not match the first's")
+    in_p, slots = xs.shape[-1], xs.shape[-2]
+    if xs.dtype != torch.float16 or in_p != 16 * k_tiles or not xs.is_contiguous():
+        raise ValueError(f"{name}: xs must be contiguous fp16 [..., slots, {16 * k_tiles}], got {xs.dtype} "
+                         f"{tuple(xs.shape)}")
+    if k_tiles % KC or n_tiles % WARPS:
+        raise ValueError(f"{name}: widths must be multiples of 64 ({16 * k_tiles} × {16 * n_tiles})")
+    xrow_p = slots if xs.dim() == 3 and xs.shape[0] > 1 else 0
+    n_groups, max_blocks = n_tiles // WARPS, int(block_experts.shape[0])
+    splits, k_per = _wg.wgmma_splits(k_tiles, nproj * n_groups * max(1, max_blocks), target_programs)
+    z = torch.empty((nproj, splits, slots, n_tiles * 16), dtype=torch.float32, device=xs.device)
+    if max_blocks == 0:
+        return z
+    cb, mult, add = _cb_args(codebook)
+    consts = {}
+    for t in range(MAX_TIERS):
+        ka, half = _kernel_bits(bits_from_trellis(tier_trellis[t][0])) if t < len(tier_trellis) else (1, 0)
+        text, cons, _ = lane_decode_ptx(ka, half, cb, mult, add) if t < len(tier_trellis) else ("", "", 0)
+        consts.update({f"K{t}A": ka, f"K{t}H": half, f"N{t}": lane_span_words(ka, half), f"T{t}": text,
+                       f"C{t}": cons})
+    ws = [tr.view(torch.int32) for tr in tier_trellis]
+    ws += [ws[0]] * (MAX_TIERS - len(ws))
+    vs = ws if second is None else [tr.view(torch.int32) for tr in second] + [ws[0]] * (MAX_TIERS - len(second))
+    desc = _wg.TensorDescriptor.from_tensor(xs.view(-1, in_p), [block_m, KC * 16], _wg._x_layout(block_m))
+    _moe_wgmma_kernel[(nproj * n_groups, max_blocks, splits)](
+        desc, z, block_experts, descriptors, num_padded, *ws, *vs, slots, k_tiles, n_tiles, k_per, z.stride(1),
+        z.stride(0), xrow_p, 1, n_groups, SHIFT=shift, NTIERS=len(tier_trellis), BR=block_m, STAGES=STAGES,
+        NPROJ=nproj, num_warps=WARPS, **consts)
+    return z
+
+
+__all__ = ["BLOCKS", "applies", "tiered_partials_wgmma"]

@@ -1,0 +1,64 @@
+"""SASS checks for kernels compiled for sm_90 without a GPU (Triton's bundled nvdisasm)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from typing import Optional
+
+
+def sass_of(cubin: bytes) -> Optional[str]:
+    """The SASS of ``cubin`` (``nvdisasm -c``), or None where Triton ships no nvdisasm."""
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True).stdout
+
+
+def inflight_a_writes(sass: str) -> list[str]:
+    """Instructions of the SASS's loops that write a register holding the A operand of a wgmma still in flight.
+
+    Walks each loop containing HGMMAs twice (the second pass sees what the back edge carries): an HGMMA
+    adds its A registers (4 from the named one) to the open group, ``gsb0`` commits it, ``WARPGROUP.DEPBAR.LE
+    gsb0, n`` retires all but the newest n groups; any other instruction whose destination is in a group not
+    yet retired is reported (stores write memory, not their first register)."""
+    ins, labels = [], {}
+    for line in sass.splitlines():
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(.*?)\s*;", line)
+        if m:
+            ins.append(m.group(1))
+    found = []
+    for j, text in enumerate(ins):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", text)
+        start = labels.get(m.group(1)) if m else None
+        if start is None or start >= j or not any("HGMMA" in t for t in ins[start:j]):
+            continue
+        groups, open_ = [], set()
+        for _ in range(2):
+            for t in ins[start:j + 1]:
+                if "HGMMA" in t:
+                    a = re.search(r"HGMMA\S*\s+R\d+,\s*R(\d+)", t)
+                    if a:
+                        open_ |= {int(a.group(1)) + i for i in range(4)}
+                    if "gsb0" in t:
+                        groups, open_ = groups + [open_], set()
+                    continue
+                d = re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d+)", t)
+                if d:
+                    keep = int(d.group(1))
+                    groups = groups[len(groups) - keep:] if keep else []
+                    continue
+                w = re.match(r"(@!?U?P\w+\s+)?([A-Z0-9.]+)\s+R(\d+)", t)
+                if w and not w.group(2).startswith(("ST", "RED", "ATOM")) and any(int(w.group(3)) in g for g in groups):
+                    found.append(t)
+    return found
