@@ -141,8 +141,8 @@ def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch):
     from exl3rt.kernels import moe as km
     from exl3rt.kernels import moe_glue as mg
     from exl3rt.moe.prewarm import warm_layer
-    warm, real = set(), set()
     from exl3rt.kernels import moe_wgmma as mw
+    warm, real = set(), set()
     names = [(km, "_moe_mma_kernel"), (mg, "_moe_pack_kernel"), (mg, "_moe_pre_kernel"), (mg, "_moe_mid_kernel"),
              (mg, "_moe_post_kernel")]
     if mw.applies(torch.device(DEV), 64):                   # Hopper: prefill blocks of 64 on the wgmma launch

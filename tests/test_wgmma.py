@@ -4,8 +4,9 @@ Gluon kernels do not run in Triton's interpreter: on CPU (CI) this file checks t
 K splits, availability, the clear error off Hopper) and builds the kernel for sm_90 with the installed
 Triton (its SASS: the register layout change is free, 4 HGMMAs per chunk, and with the overlapped loop no
 instruction writes the A registers of a wgmma still in flight); on a GPU of compute capability 9.0 it checks
-the kernel against float64 products with Q from ``format.decode`` for every codebook, K from 2 to 8 and half-integer
-K, ragged row counts and K splits, and ``exl3_linear`` on the wgmma path against ``format.reconstruct``.
+the kernel against float64 products with Q from ``format.decode`` for every codebook, K from 2 to 8 and
+half-integer K, ragged row counts and K splits (both chunk loops), and ``exl3_linear`` on the wgmma path
+against ``format.reconstruct``.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ run as one launch (``NPROJ = 2``: the grid's first dimension covers both project
 Fused path (default, activation silu): six Triton launches — route packing in one program
 (:func:`pack_routes_fused`), pre-pass, gate+up, mid-pass, down, post-pass (the passes are in
 :mod:`exl3rt.kernels.moe_glue`); on Hopper, route blocks of 64/128 run gate+up and down on the wgmma
-tiered launch instead (:mod:`exl3rt.kernels.moe_wgmma`). ``fused=False`` (and any other activation): the torch glue around
-three tiered launches (gate, up, down), the reference the fused passes are tested against. On the CPU
-the kernels run in Triton's interpreter (tests); the torch reference of the whole layer is
+tiered launch instead (:mod:`exl3rt.kernels.moe_wgmma`). ``fused=False`` (and any other activation): the
+torch glue around three tiered launches (gate, up, down), the reference the fused passes are tested against.
+On the CPU the kernels run in Triton's interpreter (tests); the torch reference of the whole layer is
 :class:`exl3rt.moe.reference.ReferenceLaunch`.
 """
 

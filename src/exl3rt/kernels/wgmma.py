@@ -21,12 +21,13 @@ wait for the x' box, ``wgmma``, refill the box's buffer. Two chunk loops: up to 
 ``wgmma`` is waited for before the next decode; with 256 rows per program (``WgmmaConfig.overlap``) one
 wgmma group stays in flight and the next chunk is decoded under it — the even and odd chunks' A operands
 are two variables (the loop is unrolled by two), so the decode never writes the registers of the wgmma in
-flight (one variable carried around the loop did exactly that: ptxas does not keep an outstanding wgmma's
-A registers from an LLVM value that is dead after it; the sm_90 build test checks the SASS for such writes).
+flight (one variable carried around the loop did exactly that: to LLVM the A value is dead after the wgmma
+instruction, so the next decode got its registers; the sm_90 build test checks the SASS for such writes).
 The accumulators (``[64, BR]`` fp32, BR/2 registers per thread) are stored transposed into the partials;
 the post-pass (:func:`exl3rt.kernels.hadamard.had`) sums the splits and rotates, as for the mma GEMV.
 
-Two programs share a multiprocessor (~215 registers at BR = 256 with 3 stages, 96 KB of shared memory each). Measured on the H200 (BENCHMARKS.md) against decode + cuBLAS.
+Two programs share a multiprocessor (~215 registers at BR = 256 with 3 stages, 96 KB of shared memory each).
+Measured on the H200 (BENCHMARKS.md) against decode + cuBLAS.
 
 Only on CUDA devices of compute capability 9.0 (``wgmma`` is sm_90a) with Triton's Gluon (checked at
 import: ``HAVE_GLUON``; the kernel builds with Triton 3.6 and 3.9, whose TMA copy changed name); no
@@ -196,9 +197,9 @@ if HAVE_GLUON:
         """The chunk loop with one wgmma group in flight: chunk c + 1 is decoded while chunk c's wgmma runs.
 
         The A operands of even and odd chunks are two variables (the loop is unrolled by two), so the chunk
-        being decoded never shares registers with the one in flight (ptxas keeps an in-flight wgmma's A
-        registers; one variable carried around the loop let the decode rewrite them — a race the sm_90 build
-        test now looks for in the SASS). A buffer is refilled once the wgmma reading it has retired."""
+        being decoded never shares registers with the one in flight (one variable carried around the loop
+        let the decode rewrite them — a race the sm_90 build test looks for in the SASS). A buffer is
+        refilled once the wgmma reading it has retired."""
         a_ev = _a_operand(wc, rsh, xorc, TEXT, CONS, NWL, DOT)
         wc = _chunk_words(wb, _KC * kstride, kstride, nchunks > 1, idx, NWL)
         for c2 in range(nchunks // 2):
