@@ -157,3 +157,34 @@ def test_layer_with_the_wgmma_launch_matches_the_mma_launch(block):
     y = exl3_moe(x, ids, wts, w, block_m=block)
     y_mma = exl3_moe(x, ids, wts, w, block_m=block, glue=GlueLaunch(wgmma=False, frag=True))
     assert float((y.double() - y_mma.double()).norm() / y_mma.double().norm()) < 3e-3   # bf16 outputs
+
+
+def test_fused_path_sends_blocks_of_64_to_the_wgmma_launch(monkeypatch):
+    """The glue's side of the launch, on any machine: where the wgmma launch applies (faked here), route blocks
+    of 64 send gate+up (one grid, two projections) and down to it with row-major x'/h' — a stand-in running the
+    mma launch on those row-major inputs gives the float64 layer — while blocks of 32 and ``GlueLaunch(wgmma=
+    False)`` keep the mma launch."""
+    import dataclasses
+
+    from test_moe_kernel import _experts, _inputs, _loop, _rel
+
+    from exl3rt.kernels.moe import default_glue
+    calls = []
+
+    def stand_in(xs, tiers, *common, second=None):
+        calls.append((tuple(xs.shape), second is not None))
+        return tiered_partials(xs, tiers, *common, second=second, zero=False, nt=1, num_warps=8)
+
+    monkeypatch.setattr(mw, "applies", lambda device, block_m: block_m in mw.BLOCKS)
+    monkeypatch.setattr(mw, "tiered_partials_wgmma", stand_in)
+    bits = (4, 3, 3)
+    experts = _experts(bits, seed=11)
+    w = MoEWeights.from_experts(tiers_from_bitrates(list(bits)), experts)
+    x, ids, wts = _inputs(5, len(bits), 2, seed=4)
+    y = exl3_moe(x, ids, wts, w, block_m=64, nt=1, num_warps=8)
+    assert [c[1] for c in calls] == [True, False]               # gate+up in one grid, then down
+    assert _rel(y, _loop(x, ids, wts, experts)) < 2e-3
+    calls.clear()
+    exl3_moe(x, ids, wts, w, block_m=32, nt=1, num_warps=8)
+    exl3_moe(x, ids, wts, w, block_m=64, nt=1, num_warps=8, glue=dataclasses.replace(default_glue(64), wgmma=False))
+    assert calls == []
