@@ -110,7 +110,8 @@ KERNEL_NO_PDL: EnvVar[bool] = EnvVar(
 
 KERNEL_NO_WGMMA: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_NO_WGMMA", False, _flag,
-    "1: the linear layers never use the Hopper wgmma kernel (33-640 rows then take the mma GEMV / decode + cuBLAS)")
+    "1: never use the Hopper wgmma kernels (linear layers: 33-640 rows then take the mma GEMV / decode + cuBLAS; "
+    "MoE: prefill route blocks of 64/128 take the mma tiered launch)")
 
 
 def _positive_int(raw: str) -> int:
