@@ -227,8 +227,11 @@ def test_pass2_is_optimal_for_its_junction_bruteforce():
 # full-size tiles (65536 states)
 # ------------------------------------------------------------------------------------------
 
+# chunks above the default 1024 edges; in the CPU interpreter 4096 is the cheap one for the stored-argmin
+# variant (K2 3inst on a 2-core CI machine: 1 << 14 292 s, 1 << 13 161 s, 1 << 12 100 s, 1 << 11 93 s,
+# 1 << 10 134 s; 2026-12-01)
 @pytest.mark.parametrize("K,codebook,kw", [
-    (2, "3inst", dict(recomp=False, tpp=1, chunk=1 << 14)),
+    (2, "3inst", dict(recomp=False, tpp=1, chunk=1 << 12)),
     (3, "mul1", dict(recomp=True, tpp=1, chunk=1 << 13)),
 ])
 def test_ideal_encode_full_size(K, codebook, kw):
