@@ -21,6 +21,26 @@ def sass_of(cubin: bytes) -> Optional[str]:
         return subprocess.run([tool, "-c", f.name], capture_output=True, text=True).stdout
 
 
+def build_sm90(fn, block_rows: int, args: dict, constexprs: dict, **options) -> Optional[str]:
+    """Compile the Gluon kernel ``fn`` for sm_90 with this machine's Triton (no GPU needed) and return its SASS
+    (None without nvdisasm). Its first argument is a TMA descriptor of fp16 x' in ``[block_rows, 64]`` boxes;
+    ``args`` maps the other runtime arguments to Triton type strings."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from exl3rt.kernels import wgmma as wg
+    desc = wg.TensorDescriptor.from_tensor(torch.empty(256, 1024, dtype=torch.float16), [block_rows, 64],
+                                           wg._x_layout(block_rows))
+    types = {"x_desc": mangle_type(desc), **args, **{k: "constexpr" for k in constexprs}}
+    sig = {n: types[n] for n in fn.arg_names if n in types}           # in the kernel's argument order
+    k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": wg.WARPS, **options})
+    return sass_of(k.asm["cubin"])
+
+
 def inflight_a_writes(sass: str) -> list[str]:
     """Instructions of the SASS's loops that write a register holding the A operand of a wgmma still in flight.
 

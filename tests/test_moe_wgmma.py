@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kernel_env import DEV, require_kernels
-from sass_check import inflight_a_writes, sass_of
+from sass_check import build_sm90, inflight_a_writes
 
 require_kernels()
 
@@ -49,31 +49,13 @@ def test_off_hopper_it_says_why():
 
 
 def _build_sm90(tier_bits, block, nproj):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
-    from exl3rt.kernels.lane_decode import lane_decode_ptx, lane_span_words
-    from exl3rt.kernels.linear import _cb_args, _kernel_bits
-    cb, mult, add = _cb_args("mcg")
-    const = {}
-    for t in range(4):
-        ka, half = _kernel_bits(tier_bits[t]) if t < len(tier_bits) else (1, 0)
-        text, cons, _ = lane_decode_ptx(ka, half, cb, mult, add) if t < len(tier_bits) else ("", "", 0)
-        const.update({f"K{t}A": ka, f"K{t}H": half, f"N{t}": lane_span_words(ka, half), f"T{t}": text,
-                      f"C{t}": cons})
-    const.update(SHIFT=8, NTIERS=len(tier_bits), BR=block, STAGES=mw.STAGES, NPROJ=nproj)
-    desc = wg.TensorDescriptor.from_tensor(torch.empty(256, 1024, dtype=torch.float16), [block, 64],
-                                           wg._x_layout(block))
-    sig = {"x_desc": mangle_type(desc), "z_ptr": "*fp32", "blk_ptr": "*i32", "desc_ptr": "*i32", "npad_ptr": "*i32"}
-    sig.update({n: "*i32" for n in ("w0", "w1", "w2", "w3", "v0", "v1", "v2", "v3")})
-    sig.update({n: "i32" for n in ("slots", "k_tiles", "n_tiles", "k_per", "stride_zs", "stride_zp", "xrow_p",
-                                   "one", "n_groups")})
-    sig.update({k: "constexpr" for k in const})
-    k = triton.compile(GluonASTSource(fn=mw._moe_wgmma_kernel, signature=sig, constexprs=const),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": wg.WARPS})
-    return sass_of(k.asm["cubin"])
+    """The SASS of the kernel ``tiered_partials_wgmma`` launches for these tiers (MCG), built for sm_90."""
+    args = {"z_ptr": "*fp32", "blk_ptr": "*i32", "desc_ptr": "*i32", "npad_ptr": "*i32"}
+    args.update({n: "*i32" for n in ("w0", "w1", "w2", "w3", "v0", "v1", "v2", "v3")})
+    args.update({n: "i32" for n in ("slots", "k_tiles", "n_tiles", "k_per", "stride_zs", "stride_zp", "xrow_p",
+                                    "one", "n_groups")})
+    return build_sm90(mw._moe_wgmma_kernel, block, args,
+                      dict(SHIFT=8, **mw.kernel_constants(tier_bits, "mcg", block, nproj)))
 
 
 @pytest.mark.skipif(not wg.HAVE_GLUON, reason="Triton without Gluon")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kernel_env import DEV, random_codes as _codes, require_kernels
-from sass_check import inflight_a_writes, sass_of
+from sass_check import build_sm90, inflight_a_writes
 
 require_kernels()
 
@@ -104,27 +104,11 @@ def test_prewarm_then_graph_capture():
 
 
 def _build_sm90(bits, codebook, cfg):
-    """Compile the kernel for sm_90 on this machine (no GPU needed); returns (cubin, SASS text or None)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
-    from exl3rt.kernels.lane_decode import lane_decode_ptx, lane_span_words
-    from exl3rt.kernels.linear import _cb_args, _kernel_bits
-    ka, half = _kernel_bits(bits)
-    cb, mult, add = _cb_args(codebook)
-    text, cons, _ = lane_decode_ptx(ka, half, cb, mult, add)
-    x = torch.empty(cfg.block_rows, 1024, dtype=torch.float16)
-    desc = wg.TensorDescriptor.from_tensor(x, [cfg.block_rows, 64], wg._x_layout(cfg.block_rows))
-    sig = {"x_desc": mangle_type(desc), "w_ptr": "*i32", "z_ptr": "*fp32", "rows": "i32", "k_tiles": "i32",
-           "n_tiles": "i32", "k_per": "i32", "stride_zs": "i32", "one": "i32"}
-    const = {"KA": ka, "HALF": half, "NWL": lane_span_words(ka, half), "TEXT": text, "CONS": cons,
-             "BR": cfg.block_rows, "STAGES": cfg.stages, "OVERLAP": cfg.overlap, "PDL": cfg.pdl}
-    sig.update({k: "constexpr" for k in const})
-    k = triton.compile(GluonASTSource(fn=wg._wgmma_kernel, signature=sig, constexprs=const),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": wg.WARPS, "launch_pdl": cfg.pdl})
-    return k.asm["cubin"], sass_of(k.asm["cubin"])
+    """The SASS of the kernel ``wgmma_rotated`` launches for K = ``bits``, ``codebook``, ``cfg``, built for sm_90."""
+    args = {"w_ptr": "*i32", "z_ptr": "*fp32", "rows": "i32", "k_tiles": "i32", "n_tiles": "i32", "k_per": "i32",
+            "stride_zs": "i32", "one": "i32"}
+    const = {**wg.kernel_constants(bits, codebook, cfg, cfg.pdl), "PDL": cfg.pdl}   # a compile names every argument
+    return build_sm90(wg._wgmma_kernel, cfg.block_rows, args, const, launch_pdl=cfg.pdl)
 
 
 def test_the_inflight_check_sees_a_race():
@@ -155,7 +139,7 @@ def test_kernel_builds_for_sm90_without_a_gpu(bits, codebook, cfg):
     overlapped loop has 3 chunk sites: even, odd, a last odd chunk), no instruction writes the A registers
     of a wgmma in flight, and with PDL (BR 64) the grid dependency wait sits between the first weight loads and
     the first x' copy."""
-    _, sass = _build_sm90(bits, codebook, cfg)
+    sass = _build_sm90(bits, codebook, cfg)
     if sass is None:
         pytest.skip("no nvdisasm next to Triton's ptxas")
     assert sass.count("HGMMA.64x%dx16" % cfg.block_rows) == (12 if cfg.overlap else 4)

@@ -174,6 +174,22 @@ def _check_stacks(name: str, tier_trellis: Sequence[torch.Tensor]) -> tuple[int,
     return k_tiles, n_tiles
 
 
+def _tier_words(name: str, tier_trellis: Sequence[torch.Tensor], second: Optional[Sequence[torch.Tensor]]
+                ) -> tuple[int, int, list[torch.Tensor], list[torch.Tensor]]:
+    """(k-tiles, n-tiles, words, second words) of a tiered launch: the checked stacks of the first projection
+    and of ``second`` (same tier shapes; the first's when None) as int32 views, each list padded to
+    :data:`MAX_TIERS` with the first stack (the kernel never reads the padding tiers)."""
+    k_tiles, n_tiles = _check_stacks(name, tier_trellis)
+    if second is not None:
+        _check_stacks(name, second)
+        if [tuple(a.shape) for a in second] != [tuple(a.shape) for a in tier_trellis]:
+            raise ValueError(f"{name}: the second projection's tiers do not match the first's")
+    ws = [tr.view(torch.int32) for tr in tier_trellis]
+    ws += [ws[0]] * (MAX_TIERS - len(ws))
+    vs = ws if second is None else [tr.view(torch.int32) for tr in second] + [ws[0]] * (MAX_TIERS - len(second))
+    return k_tiles, n_tiles, ws, vs
+
+
 def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], block_experts: torch.Tensor,
                     num_padded: torch.Tensor, descriptors: torch.Tensor, shift: int, block_m: int, codebook: str,
                     *, second: Optional[Sequence[torch.Tensor]] = None, nt: Optional[int] = None, num_warps: int = 1,
@@ -196,11 +212,7 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     nproj = 1 if second is None else 2
     in_p = xs.shape[-1]
     slots = xs.shape[-2]
-    k_tiles, n_tiles = _check_stacks(name, tier_trellis)
-    if second is not None:
-        _check_stacks(name, second)
-        if [tuple(a.shape) for a in second] != [tuple(a.shape) for a in tier_trellis]:
-            raise ValueError(f"{name}: the second projection's tiers do not match the first's")
+    k_tiles, n_tiles, ws, vs = _tier_words(name, tier_trellis, second)
     if in_p != k_tiles * 16:
         raise ValueError(f"{name}: xs has {in_p} columns, the trellis {k_tiles * 16} rows")
     if xs.stride(-1) != 1 or xs.stride(-2) != in_p:
@@ -224,9 +236,6 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     cb, mult, add = _cb_args(codebook)
     ks = [_kernel_bits(b) for b in tier_bits] + [(1, 0)] * (MAX_TIERS - len(tier_bits))
     nwl = [_mm.words_per_lane(b) for b in tier_bits] + [2] * (MAX_TIERS - len(tier_bits))
-    ws = [tr.view(torch.int32) for tr in tier_trellis]
-    ws += [ws[0]] * (MAX_TIERS - len(ws))
-    vs = ws if second is None else [tr.view(torch.int32) for tr in second] + [ws[0]] * (MAX_TIERS - len(second))
     grid = (nproj * n_blocks, max_blocks, splits)
     stride_x = (4 if frag == 2 else 8) * in_p if frag else in_p    # int32 per row block of 8 / 16 rows, or fp16 per row
     real = routes is not None

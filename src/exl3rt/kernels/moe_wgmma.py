@@ -135,19 +135,13 @@ def tiered_partials_wgmma(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor]
     ``[slots, in_p]`` or ``[2, slots, in_p]`` (one input per projection with ``second``); returns fp32
     partials ``[P, splits, slots, out_p]`` (rows of slots outside live blocks unwritten)."""
     from ..format.bits import bits_from_trellis
-    from .lane_decode import lane_decode_ptx, lane_span_words
-    from .linear import _cb_args, _kernel_bits
-    from .moe import MAX_TIERS, _check_stacks
+    from .moe import _tier_words
     name = "tiered_partials_wgmma"
     if not applies(xs.device, block_m):
         raise RuntimeError(f"{name}: needs route blocks of {BLOCKS} on a device where the wgmma kernel runs "
                            f"(compute capability 9.0, Gluon), got block {block_m} on {xs.device}")
-    k_tiles, n_tiles = _check_stacks(name, tier_trellis)
+    k_tiles, n_tiles, ws, vs = _tier_words(name, tier_trellis, second)
     nproj = 1 if second is None else 2
-    if second is not None:
-        _check_stacks(name, second)
-        if [tuple(a.shape) for a in second] != [tuple(a.shape) for a in tier_trellis]:
-            raise ValueError(f"{name}: the second projection's tiers do not match the first's")
     in_p, slots = xs.shape[-1], xs.shape[-2]
     if xs.dtype != torch.float16 or in_p != 16 * k_tiles or not xs.is_contiguous():
         raise ValueError(f"{name}: xs must be contiguous fp16 [..., slots, {16 * k_tiles}], got {xs.dtype} "
@@ -160,22 +154,27 @@ def tiered_partials_wgmma(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor]
     z = torch.empty((nproj, splits, slots, n_tiles * 16), dtype=torch.float32, device=xs.device)
     if max_blocks == 0:
         return z
-    cb, mult, add = _cb_args(codebook)
-    consts = {}
-    for t in range(MAX_TIERS):
-        ka, half = _kernel_bits(bits_from_trellis(tier_trellis[t][0])) if t < len(tier_trellis) else (1, 0)
-        text, cons, _ = lane_decode_ptx(ka, half, cb, mult, add) if t < len(tier_trellis) else ("", "", 0)
-        consts.update({f"K{t}A": ka, f"K{t}H": half, f"N{t}": lane_span_words(ka, half), f"T{t}": text,
-                       f"C{t}": cons})
-    ws = [tr.view(torch.int32) for tr in tier_trellis]
-    ws += [ws[0]] * (MAX_TIERS - len(ws))
-    vs = ws if second is None else [tr.view(torch.int32) for tr in second] + [ws[0]] * (MAX_TIERS - len(second))
     desc = _wg.TensorDescriptor.from_tensor(xs.view(-1, in_p), [block_m, KC * 16], _wg._x_layout(block_m))
     _moe_wgmma_kernel[(nproj * n_groups, max_blocks, splits)](
         desc, z, block_experts, descriptors, num_padded, *ws, *vs, slots, k_tiles, n_tiles, k_per, z.stride(1),
-        z.stride(0), xrow_p, 1, n_groups, SHIFT=shift, NTIERS=len(tier_trellis), BR=block_m, STAGES=STAGES,
-        NPROJ=nproj, num_warps=WARPS, **consts)
+        z.stride(0), xrow_p, 1, n_groups, SHIFT=shift, num_warps=WARPS,
+        **kernel_constants([bits_from_trellis(tr[0]) for tr in tier_trellis], codebook, block_m, nproj))
     return z
 
 
-__all__ = ["BLOCKS", "applies", "tiered_partials_wgmma"]
+def kernel_constants(tier_bits: Sequence, codebook: str, block_m: int, nproj: int) -> dict:
+    """The compile-time arguments of ``_moe_wgmma_kernel`` but ``SHIFT``: per tier t of ``tier_bits`` its K
+    split into whole and half bits, NWL and the lane decode's PTX (tiers past the last: unused placeholders),
+    the tier count, the route block, the buffers and the projections."""
+    from .lane_decode import lane_decode_ptx, lane_span_words
+    from .linear import _cb_args, _kernel_bits
+    from .moe import MAX_TIERS
+    out = dict(NTIERS=len(tier_bits), BR=block_m, STAGES=STAGES, NPROJ=nproj)
+    for t in range(MAX_TIERS):
+        ka, half = _kernel_bits(tier_bits[t]) if t < len(tier_bits) else (1, 0)
+        text, cons, _ = lane_decode_ptx(ka, half, *_cb_args(codebook)) if t < len(tier_bits) else ("", "", 0)
+        out.update({f"K{t}A": ka, f"K{t}H": half, f"N{t}": lane_span_words(ka, half), f"T{t}": text, f"C{t}": cons})
+    return out
+
+
+__all__ = ["BLOCKS", "applies", "kernel_constants", "tiered_partials_wgmma"]

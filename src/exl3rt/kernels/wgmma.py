@@ -324,8 +324,6 @@ def wgmma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: O
     aligned rows) times the layer's Q, on a device where :func:`available` holds. ``pdl``: launch as a
     programmatic dependent of the kernel that wrote ``xh`` (and let the next one launch early)."""
     from ..format.bits import bits_from_trellis
-    from .lane_decode import lane_decode_ptx, lane_span_words
-    from .linear import _cb_args, _kernel_bits
     if not available(xh.device):
         raise RuntimeError("the wgmma kernel needs a CUDA device of compute capability 9.0 and Triton's Gluon "
                            "(and EXL3RT_KERNEL_NO_WGMMA / EXL3RT_KERNEL_NO_ASM unset)")
@@ -337,9 +335,6 @@ def wgmma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: O
     if k_tiles % KC or n_tiles % WARPS:
         raise ValueError(f"wgmma_rotated: widths must be multiples of 64 ({16 * k_tiles} × {16 * n_tiles})")
     cfg = cfg or default_wgmma_config(rows)
-    ka, half = _kernel_bits(bits_from_trellis(trellis))
-    cb, mult, add = _cb_args(codebook)
-    text, cons, _ = lane_decode_ptx(ka, half, cb, mult, add)
     grid_n, grid_m = n_tiles // WARPS, math.ceil(rows / cfg.block_rows)
     # the split follows from the layer and the row bucket, never from the row count itself (the post-pass
     # specializes on it): a prewarm at one row count of the bucket covers every other
@@ -348,12 +343,26 @@ def wgmma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: O
     desc = TensorDescriptor.from_tensor(xh, [cfg.block_rows, KC * 16], _x_layout(cfg.block_rows))
     extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
     if pdl:
-        extra.update(PDL=True, launch_pdl=True)
+        extra["launch_pdl"] = True
     _wgmma_kernel[(grid_n, grid_m, splits)](desc, trellis.view(torch.int32), z, rows, k_tiles, n_tiles, k_per,
-                                            z.stride(0), 1, KA=ka, HALF=half, NWL=lane_span_words(ka, half),
-                                            TEXT=text, CONS=cons, BR=cfg.block_rows, STAGES=cfg.stages,
-                                            OVERLAP=cfg.overlap, num_warps=WARPS, **extra)
+                                            z.stride(0), 1, num_warps=WARPS,
+                                            **kernel_constants(bits_from_trellis(trellis), codebook, cfg, pdl),
+                                            **extra)
     return z
+
+
+def kernel_constants(bits, codebook: str, cfg: WgmmaConfig, pdl: bool = False) -> dict:
+    """The compile-time arguments of ``_wgmma_kernel`` for K = ``bits``, ``codebook`` and ``cfg`` (PDL only
+    when set: the kernel's default)."""
+    from .lane_decode import lane_decode_ptx, lane_span_words
+    from .linear import _cb_args, _kernel_bits
+    ka, half = _kernel_bits(bits)
+    text, cons, _ = lane_decode_ptx(ka, half, *_cb_args(codebook))
+    out = dict(KA=ka, HALF=half, NWL=lane_span_words(ka, half), TEXT=text, CONS=cons, BR=cfg.block_rows,
+               STAGES=cfg.stages, OVERLAP=cfg.overlap)
+    if pdl:
+        out["PDL"] = True
+    return out
 
 
 @lru_cache(maxsize=None)
@@ -361,5 +370,6 @@ def _x_layout(block_rows: int):
     return gl.NVMMASharedLayout.get_default_for([block_rows, KC * 16], gl.float16)
 
 
-__all__ = ["HAVE_GLUON", "WgmmaConfig", "available", "default_wgmma_config", "wgmma_rotated", "wgmma_splits",
+__all__ = ["HAVE_GLUON", "WgmmaConfig", "available", "default_wgmma_config", "kernel_constants", "wgmma_rotated",
+           "wgmma_splits",
            "WGMMA_64", "WGMMA_128", "WGMMA_256"]
