@@ -34,7 +34,7 @@ from common import commit, write_json  # noqa: E402
 from exl3rt.format.bits import words16_per_tile  # noqa: E402
 from exl3rt.format.reconstruct import reconstruct  # noqa: E402
 from exl3rt.kernels.moe import MoEWeights, exl3_moe  # noqa: E402
-from exl3rt.moe.plan import DeviceFacts, LayerGeometry, auto_prefill_block_m  # noqa: E402
+from exl3rt.moe.plan import LayerGeometry, auto_prefill_block_m, query_device_facts  # noqa: E402
 from exl3rt.moe.tiers import tiers_from_bitrates  # noqa: E402
 
 BF16_ANCHORS = {2048: {1: 278, 8: 1519, 32: 4106, 128: 6043, 512: 6313, 2048: 7327},
@@ -86,7 +86,7 @@ def routing(rows, e, k, dev, seed):
     return ids, w
 
 
-CHECK_BLOCKS = (8, 16, 32, 64)   # the decode plan's block, and the prefill blocks (row-major, fragment order)
+CHECK_BLOCKS = (8, 16, 32, 64, 128)   # the decode plan's block, and the prefill blocks (64/128: wgmma on Hopper)
 
 
 def check(w, layout, h, dev, fused=True, block_m=16):
@@ -136,14 +136,14 @@ class Bf16MoE:
 
 def plan_block_m(rows: int, experts: int, topk: int, block_m: int = 0) -> int:
     """The route block the runtime's plans use (``block_m`` > 0: that one instead): the decode plan's 8 up to
-    32 rows; above, the automatic prefill block for an arena of ``rows`` (32 or 64,
+    32 rows; above, the automatic prefill block for an arena of ``rows`` on this GPU (16 to 128,
     :func:`exl3rt.moe.plan.auto_prefill_block_m`)."""
     if block_m > 0:
         return block_m
     if rows <= 32:
         return 8
     geo = LayerGeometry(hidden=0, intermediate=0, num_experts=experts, top_k=topk, tier_signature=())
-    return auto_prefill_block_m(geo, DeviceFacts(type="cuda"), rows)
+    return auto_prefill_block_m(geo, query_device_facts(torch.device("cuda")), rows)
 
 
 def time_calls(fn, inputs, iters):
@@ -192,7 +192,7 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--block-m", type=int, default=0,
-                    help="route block for every row count (default: the runtime's plans, 8 up to 32 rows, 32/64 above)")
+                    help="route block for every row count (default: the runtime's plans, 8 up to 32 rows, 16-128 above)")
     ap.add_argument("--unfused", action="store_true", help="the torch glue instead of the fused passes")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 grouped_mm baseline (needs 6·E·H·I bytes)")
     ap.add_argument("--out", default="benchmarks/results/moe_cuda.json")

@@ -9,7 +9,8 @@ tiered launches' split-K target, and the prefill route block with its x' layout.
 only when it is ≥ 1 % faster — fragment-order x', the mid-pass (slots per
 program, warps, partials per load), the post-pass (partials per load, warps), the pre-pass (slots, warps),
 ``target_programs`` — starting from :func:`exl3rt.kernels.moe.default_glue`. ``--sweep blocks``: route
-block 16 / 32 / 64, each with row-major and fragment-order x'. ``--sweep padding``: the runtime's route block
+blocks (``--blocks``, default 16 / 32 / 64), each with row-major and fragment-order x' (row-major only where
+the block takes the wgmma launch). ``--sweep padding``: the runtime's route block
 with and without ``GlueLaunch.skip_padding`` (the outputs must be bit-identical; checked). Every point is the
 median of graph-timed calls of the whole layer (``bench_moe.time_calls``: one CUDA graph per routing input, replayed in
 rotation); layer and routing as ``bench_moe.py`` (hidden 6144, 256 experts, top-8, K3/K4 192/64, MCG).
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_moe import build, plan_block_m, routing, time_calls  # noqa: E402
 from common import commit, write_json  # noqa: E402
+from exl3rt.kernels import moe_wgmma as _mwg  # noqa: E402
 from exl3rt.kernels.moe import default_glue, exl3_moe  # noqa: E402
 
 
@@ -57,6 +59,8 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--sweep", choices=["passes", "blocks", "padding"], default="passes")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64],
+                    help="route blocks of --sweep blocks (64/128 run the wgmma launch where it applies, row-major)")
     ap.add_argument("--out", default="benchmarks/results/tune_moe.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -75,8 +79,8 @@ def main(argv=None):
                                                           target_programs=cfg["tp"]), inputs, args.iters)[0]
         entry = {"rows": rows, "lines": []}
         if args.sweep == "blocks":
-            for bm in (16, 32, 64):
-                for frag in (False, True):
+            for bm in args.blocks:
+                for frag in ((False,) if _mwg.applies(torch.device("cuda"), bm) else (False, True)):
                     us = timed({"glue": dataclasses.replace(default_glue(bm), frag=frag), "tp": None}, bm)
                     entry["lines"].append({"block_m": bm, "frag": frag, "us": us})
                     print(f"rows {rows}: block {bm} {'fragments' if frag else 'row-major'} {us:.0f} us", flush=True)

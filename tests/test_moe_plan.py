@@ -173,26 +173,45 @@ def test_prefill_block_policy_hook_and_explicit_override():
         return 32
 
     pol = resolve_policy(GEOM, MoESettings(max_batched=256), CPU, block_policy=hook)
-    # once for the arena (256 rows), once per other row bucket of the plan (33-64, 65-128)
+    # once for the arena (256 rows), once for the plan's smallest call and each other row bucket (33-64, 65-128)
     assert pol.prefill.block_m == 32 and not pol.prefill_block_explicit
-    assert calls == [(GEOM, CPU, 256), (GEOM, CPU, 64), (GEOM, CPU, 128)]
+    assert calls == [(GEOM, CPU, 256), (GEOM, CPU, 33), (GEOM, CPU, 64), (GEOM, CPU, 128)]
     assert [pol.prefill.block_for(m) for m in (33, 64, 65, 200, 256)] == [32] * 5
+    assert pol.prefill.block_steps == ((33, 32),) and pol.prefill.warm_rows() == (64, 128, 256)
     calls.clear()
     pol = resolve_policy(GEOM, MoESettings(max_batched=256, prefill_block_m=64), CPU, block_policy=hook)
     assert pol.prefill.block_m == 64 and pol.prefill_block_explicit and calls == []
-    assert pol.prefill.bucket_blocks == () and pol.prefill.block_for(40) == 64      # explicit: every call
+    assert pol.prefill.block_steps == () and pol.prefill.block_for(40) == 64      # explicit: every call
     pol = resolve_policy(GEOM, MoESettings.from_env(256, environ={"EXL3RT_MOE_PREFILL_BLOCK_M": "48"}), CPU,
                          block_policy=hook)
     assert pol.prefill.block_m == 48 and calls == []
-    # the default hook: 16 when a full arena gives an average expert < 16 routes, 32 below 64, else 64
+    # the default hook, by the routes an average expert gets (rows·8/256): 16 below 16, 32 below 32, 64 below 64,
+    # else 128 where the wgmma launch runs and 64 elsewhere
     many = LayerGeometry(hidden=H, intermediate=I, num_experts=256, top_k=8, tier_signature=((3, 192), (4, 64)))
-    assert [auto_prefill_block_m(many, CPU, c) for c in (33, 511, 512, 2047, 2048)] == [16, 16, 32, 32, 64]
-    # a large arena: calls get their own bucket's block (the arena's 64 sizes the route capacity)
+    hopper = DeviceFacts(type="cuda", index=0, capability=(9, 0), sms=132, wgmma=True)
+    rows = (33, 511, 512, 1023, 1024, 2047, 2048, 8192)
+    assert [auto_prefill_block_m(many, CPU, c) for c in rows] == [16, 16, 32, 32, 64, 64, 64, 64]
+    assert [auto_prefill_block_m(many, hopper, c) for c in rows] == [16, 16, 32, 32, 64, 64, 128, 128]
+    # a large arena: each call gets the block for its own row count (the arena's block sizes the route capacity)
     pre = resolve_policy(many, MoESettings(max_batched=8192), CPU).prefill
     assert pre.block_m == 64 and pre.route_capacity == 8192 * 8 + 256 * 63
-    assert [pre.block_for(m) for m in (33, 100, 257, 600, 1500, 2048, 5000, 8192)] == [16, 16, 32, 32, 64, 64, 64, 64]
+    assert pre.block_steps == ((33, 16), (512, 32), (1024, 64))
+    assert [pre.block_for(m) for m in (33, 100, 511, 512, 600, 1023, 1024, 1500, 2048, 5000, 8192)] == \
+        [16, 16, 16, 32, 32, 32, 64, 64, 64, 64, 64]
+    pre = resolve_policy(many, MoESettings(max_batched=8192), hopper).prefill
+    assert pre.block_m == 128 and pre.route_capacity == 8192 * 8 + 256 * 127
+    assert pre.block_steps == ((33, 16), (512, 32), (1024, 64), (2048, 128))
+    assert [pre.block_for(m) for m in (1023, 1024, 1500, 2047, 2048, 5000)] == [32, 64, 64, 64, 128, 128]
+    # prewarm rows: every bucket's top, plus the last row count before a step that starts inside a bucket
+    assert pre.warm_rows() == (64, 128, 256, 511, 512, 1023, 1024, 2047, 2048, 4096, 8192)
+    # steps inside one bucket (a hook that switches at 40 and 50 rows): each block warmed once in its bucket
+    pol = resolve_policy(GEOM, MoESettings(max_batched=256), CPU,
+                         block_policy=lambda g, f, c: 16 if c < 40 else 32 if c < 50 else 64)
+    assert pol.prefill.block_steps == ((33, 16), (40, 32), (50, 64)) and pol.prefill.warm_rows() == (39, 49, 64, 128, 256)
     with pytest.raises(PlanError, match="at most the arena's block"):
         resolve_policy(many, MoESettings(max_batched=8192), CPU, block_policy=lambda g, f, c: 64 if c < 8192 else 32)
+    with pytest.raises(PlanError, match="not non-decreasing"):
+        resolve_policy(many, MoESettings(max_batched=8192), CPU, block_policy=lambda g, f, c: 64 if c >= 4096 else 32 if 256 <= c < 512 else 16)
     assert resolve_policy(GEOM, MoESettings(max_batched=256), CPU).prefill.block_m == 64
 
 
@@ -360,12 +379,14 @@ def test_prewarm_visits_every_reachable_specialization_once():
         layer.plan("cpu", torch.float32, torch.int32)
     n = prewarm(Model([a, b, c]))
     decode = [1, 2, 4, 8, 16, 32]
-    prefill = [1, 2, 4, 8, 16, 32, 64, 128]  # capacity 128 < max_batched 256: tails of any size reach the prefill plan
+    # capacity 128 < max_batched 256: tails of any size reach the prefill plan; its route block steps up at 32 rows
+    # (16 → 32) and 64 (→ 64) for this geometry (8 experts, top-2), so 31 and 63 rows warm the blocks below those
+    prefill = [1, 2, 4, 8, 16, 31, 32, 63, 64, 128]
     small = [1, 2, 4, 8, 16]
     want = sorted((kind, r, str(d)) for kind, rows in (("decode", decode), ("prefill", prefill), ("decode", small))
                   for r in rows for d in (torch.int32, torch.int64))
     assert sorted((kind, r, str(d)) for _, kind, r, d in rec.warm) == want
-    assert n == len(want) == 2 * (6 + 8 + 5)
+    assert n == len(want) == 2 * (6 + 10 + 5)
 
 
 def test_prewarm_fails_closed_without_a_plan_and_ignores_other_models():

@@ -35,6 +35,7 @@ from .routing import max_route_blocks, route_capacity
 DEFAULT_MAX_DECODE_M = 32
 DEFAULT_DECODE_BLOCK_M = 8
 DEFAULT_PREFILL_BLOCK_M = 64
+LARGE_PREFILL_BLOCK_M = 128   # only where the wgmma tiered launch runs (DeviceFacts.wgmma)
 SMALL_PREFILL_BLOCK_M = 32
 TINY_PREFILL_BLOCK_M = 16
 
@@ -109,6 +110,8 @@ class DeviceFacts:
     capability: tuple[int, int] = (0, 0)
     sms: int = 0
     shared_mem: int = 0
+    #: the wgmma tiered launch runs here (``exl3rt.kernels.wgmma.available``: Hopper, Gluon, not turned off)
+    wgmma: bool = False
 
 
 def query_device_facts(device: torch.device) -> DeviceFacts:
@@ -118,9 +121,14 @@ def query_device_facts(device: torch.device) -> DeviceFacts:
         return DeviceFacts(type=device.type, index=device.index)
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
+    try:
+        from ..kernels.wgmma import available
+        wgmma = available(torch.device("cuda", index))
+    except ImportError:  # pragma: no cover - no Triton
+        wgmma = False
     return DeviceFacts(type="cuda", index=index, capability=(props.major, props.minor),
                        sms=props.multi_processor_count,
-                       shared_mem=int(getattr(props, "shared_memory_per_block_optin", 0)))
+                       shared_mem=int(getattr(props, "shared_memory_per_block_optin", 0)), wgmma=wgmma)
 
 
 #: ``(geometry, facts, prefill_capacity) -> prefill block_m``; consulted only when no block is set
@@ -129,17 +137,25 @@ BlockPolicy = Callable[[LayerGeometry, DeviceFacts, int], int]
 
 def auto_prefill_block_m(geometry: LayerGeometry, facts: DeviceFacts, capacity: int) -> int:
     """The automatic prefill block from the routes an average expert gets in a call of ``capacity`` rows
-    (``capacity·top_k / E``; asked for the arena and for each row bucket): 16 below 16 routes, 32 below 64,
-    else 64. Larger blocks decode each weight
-    tile once for more routes (the tiered launch shares a decoded tile between the 16-row blocks of a
-    pass) but pad more. H200, 2026-12-01, hidden 6144, I 2048, 256 experts top-8 (routes per expert =
-    rows / 32), graph-timed calls with the passes' defaults: 128 rows 3364 µs (block 16) / 3788 (32);
-    512 rows 4117 (32); 2048 rows 9904 (32) / 8601 (64); I = 512 alike (2048 rows 3286 / 3201).
+    (``capacity·top_k / E``; asked for the arena and for each row bucket): 16 below 16 routes, 32 below 32,
+    64 below 64, else 128 where the wgmma tiered launch runs (``facts.wgmma``) and 64 elsewhere. The block
+    just above the average count holds most experts' routes in one block: each weight tile is decoded once
+    per expert instead of twice, for some padding. H200, 2026-12-01 (tenth session), hidden 6144, 256 experts
+    top-8 (routes per expert = rows / 32), graph-timed calls, µs for blocks 32 / 64 / 128 (64 and 128 on
+    the wgmma launch): I 2048 at 512 rows 3946 / 4789 / 6280, 768 rows 4396 / 4917 / 6386, 1024 rows
+    5869¹ / 5021 / 6489, 1536 rows 7919 / 5275 / 6640, 2048 rows – / 7386 / 6849, 3072 rows 13797 / 10160 /
+    7560; I 512 at 1024 rows 2027¹ / 1759 / 2294, 1536 2632 / 1914 / 2415, 2048 – / 2579 / 2547, 3072
+    4524 / 3409 / 2939 (¹ ninth session's full run). Without the wgmma launch blocks 32 and 64 tie at 32
+    routes per expert (mma launch, 1024 rows: 5818 / 5803 µs).
     """
     routes_per_expert = capacity * geometry.top_k / geometry.num_experts
     if routes_per_expert < TINY_PREFILL_BLOCK_M:
         return TINY_PREFILL_BLOCK_M
-    return SMALL_PREFILL_BLOCK_M if routes_per_expert < DEFAULT_PREFILL_BLOCK_M else DEFAULT_PREFILL_BLOCK_M
+    if routes_per_expert < SMALL_PREFILL_BLOCK_M:
+        return SMALL_PREFILL_BLOCK_M
+    if routes_per_expert < DEFAULT_PREFILL_BLOCK_M or not facts.wgmma:
+        return DEFAULT_PREFILL_BLOCK_M
+    return LARGE_PREFILL_BLOCK_M
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,14 +169,26 @@ class Plan:
     num_experts: int
     #: smallest row count this plan receives (decode: 1; prefill: max_decode_m + 1, or 1 when it slices)
     min_rows: int = 1
-    #: automatic prefill blocks: ``(bucket, block_m)`` per row bucket (empty: ``block_m`` for every call)
-    bucket_blocks: tuple[tuple[int, int], ...] = ()
+    #: automatic prefill blocks: ``(first row count, block_m)`` ascending from ``min_rows`` (empty: ``block_m``
+    #: for every call); a call runs with the block of the last step at or below its row count
+    block_steps: tuple[tuple[int, int], ...] = ()
 
     def block_for(self, rows: int) -> int:
-        """The route block a call of ``rows`` rows runs with: its bucket's automatic block, else ``block_m``
-        (a function of the bucket, so a prewarm per bucket meets every call's kernels)."""
-        bucket = self.bucket(rows)
-        return next((m for b, m in self.bucket_blocks if b == bucket), self.block_m)
+        """The route block a call of ``rows`` rows runs with: the policy's block for that row count (its step),
+        else ``block_m``."""
+        return next((m for first, m in reversed(self.block_steps) if first <= rows), self.block_m)
+
+    def warm_rows(self) -> tuple[int, ...]:
+        """Row counts that together meet every specialization of calls of ``min_rows … max_rows`` rows: each
+        row bucket's top, and the largest row count of each other block step inside a bucket (kernels
+        specialize on the route block, never on the row count, but for the packer's two sort widths, which
+        split at a power of two)."""
+        out, lo = [], self.min_rows
+        for b in self.row_buckets():
+            starts = [first for first, _ in self.block_steps if lo < first <= b]
+            out += [first - 1 for first in starts] + [b]
+            lo = b + 1
+        return tuple(out)
 
     @property
     def route_capacity(self) -> int:
@@ -255,19 +283,44 @@ def resolve_policy(geometry: LayerGeometry, settings: MoESettings, facts: Device
                 raise PlanError(f"prefill block policy returned block_m={block_m}; it must be positive")
         min_rows = 1 if max_batched > capacity else max_decode_m + 1
         prefill = Plan("prefill", capacity, block_m, geometry.top_k, geometry.num_experts, min_rows=min_rows)
-        if not explicit:    # each bucket's calls get the block the policy picks for that many rows
-            pairs = []
-            for b in prefill.row_buckets():
-                bb = block_m if b == capacity else int(block_policy(geometry, facts, b))
-                if bb <= 0 or bb > block_m:
-                    raise PlanError(f"prefill block policy returned block_m={bb} for {b} rows; it must be positive "
-                                    f"and at most the arena's block ({block_m} at {capacity} rows)")
-                pairs.append((b, bb))
-            prefill = dataclasses.replace(prefill, bucket_blocks=tuple(pairs))
+        if not explicit:    # each call gets the block the policy picks for its row count
+            prefill = dataclasses.replace(prefill, block_steps=_block_steps(
+                lambda rows: block_m if rows == capacity else int(block_policy(geometry, facts, rows)),
+                prefill.min_rows, capacity, prefill.row_buckets(), block_m))
     return PlanPolicy(geometry=geometry, facts=facts, max_batched=max_batched, decode=decode, prefill=prefill,
                       prefill_block_explicit=explicit)
 
 
+def _block_steps(policy: Callable[[int], int], lo: int, hi: int, samples: tuple[int, ...],
+                 arena_block: int) -> tuple[tuple[int, int], ...]:
+    """``(first row count, block)`` steps of a block policy over ``lo … hi`` rows, found by bisection (the
+    policy must not decrease with the row count; checked at ``samples``, the plan's row buckets)."""
+    seen: dict[int, int] = {}
+
+    def at(rows: int) -> int:
+        if rows not in seen:
+            bm = seen[rows] = policy(rows)
+            if bm <= 0 or bm > arena_block:
+                raise PlanError(f"prefill block policy returned block_m={bm} for {rows} rows; it must be positive "
+                                f"and at most the arena's block ({arena_block} at {hi} rows)")
+        return seen[rows]
+
+    blocks = [at(r) for r in (lo,) + tuple(samples)]
+    if any(b < a for a, b in zip(blocks, blocks[1:])):
+        raise PlanError(f"prefill block policy is not non-decreasing in the row count: "
+                        f"{dict(zip((lo,) + tuple(samples), blocks))}")
+    steps, cur = [(lo, at(lo))], lo
+    while at(hi) != steps[-1][1]:
+        a, left, right = steps[-1][1], cur, hi          # at(left) == a != at(right)
+        while right - left > 1:
+            mid = (left + right) // 2
+            left, right = (mid, right) if at(mid) == a else (left, mid)
+        steps.append((right, at(right)))
+        cur = right
+    return tuple(steps)
+
+
 __all__ = ["BlockPolicy", "DEFAULT_DECODE_BLOCK_M", "DEFAULT_MAX_DECODE_M", "DEFAULT_PREFILL_BLOCK_M", "DeviceFacts",
+           "LARGE_PREFILL_BLOCK_M",
            "LayerGeometry", "MoESettings", "Plan", "PlanError", "PlanKind", "PlanPolicy", "SMALL_PREFILL_BLOCK_M", "TINY_PREFILL_BLOCK_M",
            "Slice", "auto_prefill_block_m", "next_pow2", "query_device_facts", "resolve_policy"]

@@ -8,7 +8,8 @@ KV-cache sizing:
     for every module carrying a MoELayerRuntime (see ``exl3rt.moe.runtime.attach``):
         fail closed if the layer was never planned
         for every runtime it uses (each shared runtime once), every plan (decode, prefill),
-        every row bucket the plan can receive, and route ids int32 and int64:
+        every row bucket the plan can receive (and each route block inside it: Plan.warm_rows),
+        and route ids int32 and int64:
             count += launch.warmup(bucket, ids_dtype)
 
 Returns the count; 0 for a model without EXL3 MoE layers.
@@ -39,7 +40,7 @@ def moe_layers(model: torch.nn.Module) -> list[tuple[str, MoELayerRuntime]]:
 
 def warm_layer(layer: MoELayerRuntime, done: set[int]) -> int:
     """Warm every specialization of ``layer``'s runtimes not in ``done`` (runtime ids; updated): each
-    plan, each row bucket, route ids int32 and int64; a runtime shared by several layers is warmed once."""
+    plan, each row bucket and route block in it (``Plan.warm_rows``), route ids int32 and int64; a runtime shared by several layers is warmed once."""
     n = 0
     for runtime in layer.runtimes():
         if id(runtime) in done:
@@ -47,7 +48,7 @@ def warm_layer(layer: MoELayerRuntime, done: set[int]) -> int:
         done.add(id(runtime))
         for plan in runtime.policy.plans:
             launch = runtime.launch_for(plan)
-            for rows in plan.row_buckets():
+            for rows in plan.warm_rows():
                 for ids_dtype in ID_DTYPES:
                     n += int(launch.warmup(rows, ids_dtype))
     return n

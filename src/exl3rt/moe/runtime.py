@@ -280,7 +280,7 @@ class MoELayerRuntime:
                 pre = self.policy.prefill
                 log.info("%s: prefill block_m=%d (%s)", self.name, pre.block_m,
                          "explicit" if self.policy.prefill_block_explicit else
-                         "automatic policy; per row bucket " + ", ".join(f"{b}: {m}" for b, m in pre.bucket_blocks))
+                         "automatic policy; from row count " + ", ".join(f"{r}: {m}" for r, m in pre.block_steps))
         return self.policy
 
     def plan(self, device: torch.device | str, x_dtype: torch.dtype,
