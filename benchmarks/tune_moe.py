@@ -45,10 +45,12 @@ def _glue(field_names):
 
 KNOBS = [
     ("frag", [True, False], _glue(["frag"])),
-    ("mid (rows, warps, splits/load)", [(1, 1, 16), (2, 1, 8), (4, 1, 8), (4, 4, 4)],
+    ("mid (rows, warps, splits/load)", [(1, 1, 16), (2, 1, 8), (4, 1, 8), (4, 4, 4), (8, 2, 4), (16, 4, 2)],
      _glue(["mid_rows", "mid_warps", "mid_splits"])),
-    ("post (splits/load, warps)", [(8, 1), (8, 2), (4, 1), (4, 0)], _glue(["post_splits", "post_warps"])),
-    ("pre (rows, warps)", [(4, 1), (2, 1), (8, 2), (16, 4)], _glue(["pre_rows", "pre_warps"])),
+    ("post (splits/load, warps)", [(8, 1), (8, 2), (4, 1), (4, 0), (1, 2), (1, 4)],
+     _glue(["post_splits", "post_warps"])),
+    ("pre (rows, warps)", [(4, 1), (2, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4)],
+     _glue(["pre_rows", "pre_warps"])),
     ("target_programs", [None, 2112, 4224, 8448, 16896], lambda cfg, v: dict(cfg, tp=v)),
 ]
 
