@@ -353,8 +353,8 @@ def test_fused_triton_launch_in_the_model(src, cache_dir, explicit_q):
     pytest.importorskip("triton")
     from exl3rt.kernels.linear import interpreting
     from exl3rt.moe import auto_launch_factory
-    if not torch.cuda.is_available() and not interpreting():
-        pytest.skip("exl3rt.kernels was imported before TRITON_INTERPRET=1 could be set")
+    if not interpreting():   # the model runs on the CPU: compiled Triton (a GPU machine) cannot take its tensors
+        pytest.skip("the CPU model's Triton launch needs Triton's interpreter (TRITON_INTERPRET=1 at import)")
     model, _ = explicit_q
     fused = load(src)
     quantize_model(fused, config(cache_dir, expert_bits=EXPLICIT, moe_runtime=False), progress=False)
