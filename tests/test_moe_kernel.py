@@ -133,11 +133,14 @@ def test_triton_launch_through_the_runtime_matches_the_reference_launch():
     assert launch.warmup(2, torch.int32) == 6 and (2, torch.int32) in launch.warmed
 
 
-def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch):
+@pytest.mark.parametrize("top_k", [4, 6])
+def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch, top_k):
     """Prewarm (``warm_layer``: every plan, row bucket and id dtype, on the launch's dummy layer) records
     a superset of the kernel specializations that real calls of the layer make at every row count from 1 to
     max_batched, decode and prefill plans (the prefill plan's route block differs between its row buckets),
-    both id dtypes — no kernel compiles lazily under traffic (the reference system's prewarm bug). The kernels are replaced by recorders (nothing runs)."""
+    both id dtypes — no kernel compiles lazily under traffic (the reference system's prewarm bug). The kernels
+    are replaced by recorders (nothing runs). Top-6: the packer's sort width (64 routes or more) changes inside
+    a row bucket (at 10/11 rows), as it does for any top-k that is not a power of two."""
     from exl3rt.kernels import moe as km
     from exl3rt.kernels import moe_glue as mg
     from exl3rt.moe.prewarm import warm_layer
@@ -151,7 +154,7 @@ def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch):
     experts = _experts(bits, h=1024, i=512, seed=12)
     layout = tiers_from_bitrates(list(bits), layer="model.layers.0.mlp.experts")
     settings = MoESettings(max_batched=96, max_decode_m=8)
-    layer = MoELayerRuntime(layout.layer, layout, experts, hidden=1024, intermediate=512, top_k=4, settings=settings,
+    layer = MoELayerRuntime(layout.layer, layout, experts, hidden=1024, intermediate=512, top_k=top_k, settings=settings,
                             cache=MoERuntimeCache(triton_launch_factory), owner=Owner.of(SimpleNamespace(), layout.layer))
     record(monkeypatch, names, real)
     # split K as on a GPU, with a target small enough that the splits (and k-tiles per split) vary with the rows
@@ -160,10 +163,13 @@ def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch):
     g = torch.Generator().manual_seed(0)
     for dt in (torch.int32, torch.int64):
         for t in range(1, 97):
-            ids = torch.stack([torch.randperm(len(bits), generator=g)[:4] for _ in range(t)]).to(dt).to(DEV)
-            layer(torch.randn(t, 1024, generator=g).to(DEV), ids, torch.rand(t, 4, generator=g).to(DEV))
-    pre = layer.runtimes()[0].policy.prefill
-    assert pre.block_m == 32 and [pre.block_for(m) for m in (9, 64, 79, 80, 96)] == [16, 16, 16, 32, 32]  # per row count
+            ids = torch.stack([torch.randperm(len(bits), generator=g)[:top_k] for _ in range(t)]).to(dt).to(DEV)
+            layer(torch.randn(t, 1024, generator=g).to(DEV), ids, torch.rand(t, top_k, generator=g).to(DEV))
+    pol = layer.runtimes()[0].policy
+    pre = pol.prefill
+    # the block of each call's own row count (routes per expert = rows·top_k/20: 16 from 16 routes)
+    assert pre.block_m == 32 and [pre.block_for(m) for m in range(9, 97)] == \
+        [16 if m * top_k < 16 * 20 else 32 for m in range(9, 97)]
     record(monkeypatch, names, warm)
     assert warm_layer(layer, set()) > 0
     assert {k[0] for k in real} | {"_moe_wgmma_kernel"} == {n for _, n in names} | {"_moe_wgmma_kernel"}

@@ -177,7 +177,7 @@ def test_prefill_block_policy_hook_and_explicit_override():
     assert pol.prefill.block_m == 32 and not pol.prefill_block_explicit
     assert calls == [(GEOM, CPU, 256), (GEOM, CPU, 33), (GEOM, CPU, 64), (GEOM, CPU, 128)]
     assert [pol.prefill.block_for(m) for m in (33, 64, 65, 200, 256)] == [32] * 5
-    assert pol.prefill.block_steps == ((33, 32),) and pol.prefill.warm_rows() == (64, 128, 256)
+    assert pol.prefill.block_steps == ((33, 32),) and pol.prefill.warm_rows() == (33, 64, 65, 128, 129, 256)
     calls.clear()
     pol = resolve_policy(GEOM, MoESettings(max_batched=256, prefill_block_m=64), CPU, block_policy=hook)
     assert pol.prefill.block_m == 64 and pol.prefill_block_explicit and calls == []
@@ -202,12 +202,14 @@ def test_prefill_block_policy_hook_and_explicit_override():
     assert pre.block_m == 128 and pre.route_capacity == 8192 * 8 + 256 * 127
     assert pre.block_steps == ((33, 16), (512, 32), (1024, 64), (2048, 128))
     assert [pre.block_for(m) for m in (1023, 1024, 1500, 2047, 2048, 5000)] == [32, 64, 64, 64, 128, 128]
-    # prewarm rows: every bucket's top, plus the last row count before a step that starts inside a bucket
-    assert pre.warm_rows() == (64, 128, 256, 511, 512, 1023, 1024, 2047, 2048, 4096, 8192)
+    # prewarm rows: the first and last row count of each block's range inside each row bucket
+    assert pre.warm_rows() == (33, 64, 65, 128, 129, 256, 257, 511, 512, 513, 1023, 1024, 1025, 2047, 2048, 2049, 4096,
+                               4097, 8192)
     # steps inside one bucket (a hook that switches at 40 and 50 rows): each block warmed once in its bucket
     pol = resolve_policy(GEOM, MoESettings(max_batched=256), CPU,
                          block_policy=lambda g, f, c: 16 if c < 40 else 32 if c < 50 else 64)
-    assert pol.prefill.block_steps == ((33, 16), (40, 32), (50, 64)) and pol.prefill.warm_rows() == (39, 49, 64, 128, 256)
+    assert pol.prefill.block_steps == ((33, 16), (40, 32), (50, 64))
+    assert pol.prefill.warm_rows() == (33, 39, 40, 49, 50, 64, 65, 128, 129, 256)
     with pytest.raises(PlanError, match="at most the arena's block"):
         resolve_policy(many, MoESettings(max_batched=8192), CPU, block_policy=lambda g, f, c: 64 if c < 8192 else 32)
     with pytest.raises(PlanError, match="not non-decreasing"):
@@ -378,15 +380,15 @@ def test_prewarm_visits_every_reachable_specialization_once():
     for layer in (a, b, c):
         layer.plan("cpu", torch.float32, torch.int32)
     n = prewarm(Model([a, b, c]))
-    decode = [1, 2, 4, 8, 16, 32]
+    decode = [1, 2, 3, 4, 5, 8, 9, 16, 17, 32]     # both ends of each row bucket
     # capacity 128 < max_batched 256: tails of any size reach the prefill plan; its route block steps up at 32 rows
-    # (16 → 32) and 64 (→ 64) for this geometry (8 experts, top-2), so 31 and 63 rows warm the blocks below those
-    prefill = [1, 2, 4, 8, 16, 31, 32, 63, 64, 128]
-    small = [1, 2, 4, 8, 16]
+    # (16 → 32) and 64 (→ 64) for this geometry (8 experts, top-2): 17-31, 32, 33-63, 64 are separate ranges
+    prefill = [1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 32, 33, 63, 64, 65, 128]
+    small = [1, 2, 3, 4, 5, 8, 9, 16]
     want = sorted((kind, r, str(d)) for kind, rows in (("decode", decode), ("prefill", prefill), ("decode", small))
                   for r in rows for d in (torch.int32, torch.int64))
     assert sorted((kind, r, str(d)) for _, kind, r, d in rec.warm) == want
-    assert n == len(want) == 2 * (6 + 10 + 5)
+    assert n == len(want) == 2 * (10 + 16 + 8)
 
 
 def test_prewarm_fails_closed_without_a_plan_and_ignores_other_models():

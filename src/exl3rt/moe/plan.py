@@ -13,11 +13,12 @@ forward may carry, e.g. a server's max batched tokens):
 
 The prefill block is 64 unless set. When it is not set, an automatic policy (a hook,
 :func:`auto_prefill_block_m` by default) chooses the block from the layer's geometry, the device and
-a row count: once for the arena (``capacity``: the plan's ``block_m``, which sizes its route capacity)
-and once per row bucket of the plan (``Plan.block_for``: a call of 100 rows in an arena of 8192 runs
-with the block for 128 rows, not the arena's); an explicit setting (argument or
-``EXL3RT_MOE_PREFILL_BLOCK_M``) always wins, for every call, and the hook is not consulted. Everything
-here is resolved once per layer (:func:`resolve_policy`).
+a row count: for the arena (``capacity``: the plan's ``block_m``, which sizes its route capacity)
+and for each call's own row count (``Plan.block_for``: the steps of the policy over the plan's rows,
+found by bisection when the layer is planned — a call of 100 rows in an arena of 8192 runs with the
+block for 100 rows, not the arena's); an explicit setting (argument or ``EXL3RT_MOE_PREFILL_BLOCK_M``)
+always wins, for every call, and the hook is not consulted. Everything here is resolved once per layer
+(:func:`resolve_policy`).
 """
 
 from __future__ import annotations
@@ -131,13 +132,15 @@ def query_device_facts(device: torch.device) -> DeviceFacts:
                        shared_mem=int(getattr(props, "shared_memory_per_block_optin", 0)), wgmma=wgmma)
 
 
-#: ``(geometry, facts, prefill_capacity) -> prefill block_m``; consulted only when no block is set
+#: ``(geometry, facts, rows) -> prefill block_m`` (rows: the arena's capacity, or a call's row count; it must not
+#: decrease with the rows); consulted only when no block is set
 BlockPolicy = Callable[[LayerGeometry, DeviceFacts, int], int]
 
 
 def auto_prefill_block_m(geometry: LayerGeometry, facts: DeviceFacts, capacity: int) -> int:
     """The automatic prefill block from the routes an average expert gets in a call of ``capacity`` rows
-    (``capacity·top_k / E``; asked for the arena and for each row bucket): 16 below 16 routes, 32 below 32,
+    (``capacity·top_k / E``; asked for the arena and, by bisection, for the calls' row counts): 16 below 16
+    routes, 32 below 32,
     64 below 64, else 128 where the wgmma tiered launch runs (``facts.wgmma``) and 64 elsewhere. The block
     just above the average count holds most experts' routes in one block: each weight tile is decoded once
     per expert instead of twice, for some padding. H200, 2026-12-01 (tenth session), hidden 6144, 256 experts
@@ -179,14 +182,17 @@ class Plan:
         return next((m for first, m in reversed(self.block_steps) if first <= rows), self.block_m)
 
     def warm_rows(self) -> tuple[int, ...]:
-        """Row counts that together meet every specialization of calls of ``min_rows … max_rows`` rows: each
-        row bucket's top, and the largest row count of each other block step inside a bucket (kernels
-        specialize on the route block, never on the row count, but for the packer's two sort widths, which
-        split at a power of two)."""
+        """Row counts that together meet every specialization of calls of ``min_rows … max_rows`` rows: the
+        first and the last row count of each route block's range inside each row bucket. The kernels
+        specialize on the route block and, through the packer's sort width, on the route count (rows·top_k
+        against fixed thresholds); both ends of a range at most a factor of two wide meet every sort width in
+        it, whatever the top-k (with top-6 the width changes between 10 and 11 rows)."""
         out, lo = [], self.min_rows
         for b in self.row_buckets():
-            starts = [first for first, _ in self.block_steps if lo < first <= b]
-            out += [first - 1 for first in starts] + [b]
+            starts = [lo] + [first for first, _ in self.block_steps if lo < first <= b]
+            ends = [s - 1 for s in starts[1:]] + [b]
+            for first, last in zip(starts, ends):
+                out += [first] if first == last else [first, last]
             lo = b + 1
         return tuple(out)
 

@@ -8,9 +8,9 @@ KV-cache sizing:
     for every module carrying a MoELayerRuntime (see ``exl3rt.moe.runtime.attach``):
         fail closed if the layer was never planned
         for every runtime it uses (each shared runtime once), every plan (decode, prefill),
-        every row bucket the plan can receive (and each route block inside it: Plan.warm_rows),
+        both ends of each route block's range in each row bucket (Plan.warm_rows),
         and route ids int32 and int64:
-            count += launch.warmup(bucket, ids_dtype)
+            count += launch.warmup(rows, ids_dtype)
 
 Returns the count; 0 for a model without EXL3 MoE layers.
 """
@@ -40,7 +40,8 @@ def moe_layers(model: torch.nn.Module) -> list[tuple[str, MoELayerRuntime]]:
 
 def warm_layer(layer: MoELayerRuntime, done: set[int]) -> int:
     """Warm every specialization of ``layer``'s runtimes not in ``done`` (runtime ids; updated): each
-    plan, each row bucket and route block in it (``Plan.warm_rows``), route ids int32 and int64; a runtime shared by several layers is warmed once."""
+    plan, both ends of each route block's range in each row bucket (``Plan.warm_rows``), route ids int32 and
+    int64; a runtime shared by several layers is warmed once."""
     n = 0
     for runtime in layer.runtimes():
         if id(runtime) in done:
