@@ -2,11 +2,54 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import tempfile
 from typing import Optional
+
+
+def _language_objects() -> list:
+    """The modules and classes whose attributes Triton's interpreter patches while it runs a kernel: the
+    language modules and every class defined in ``triton.language.core`` (tensor, dtype, descriptors)."""
+    try:
+        import triton.language as tl
+    except ImportError:
+        return []
+    mods = [tl, tl.core, tl.math] + [m for m in (getattr(tl, "standard", None),) if m is not None]
+    classes = [v for v in vars(tl.core).values() if isinstance(v, type) and v.__module__ == tl.core.__name__]
+    return mods + classes
+
+
+# taken when the test modules are collected, before any kernel runs in the interpreter
+_LANGUAGE = [(o, dict(vars(o))) for o in _language_objects()]
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def unpatched_language():
+    """``triton.language`` as it was imported, for a real compile in a process whose tests ran kernels in the
+    interpreter. The interpreter swaps the language's functions for its own while a kernel runs and puts them
+    back afterwards — but not after a ``@triton.jit`` function called as a device function (Triton 3.9,
+    ``InterpretedFunction.__call__``), so a later compile would build through the interpreter's builder
+    ("'value' object has no attribute 'dtype'"). Put back for the build, the found state restored after."""
+    changed = []
+    for obj, snap in _LANGUAGE:
+        now = vars(obj)
+        for name, value in snap.items():
+            cur = now.get(name, _MISSING)
+            if cur is not value:
+                changed.append((obj, name, cur))
+                setattr(obj, name, value)
+    try:
+        yield len(changed)
+    finally:
+        for obj, name, cur in reversed(changed):
+            if cur is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, cur)
 
 
 def sass_of(cubin: bytes) -> Optional[str]:
@@ -36,8 +79,9 @@ def build_sm90(fn, block_rows: int, args: dict, constexprs: dict, **options) -> 
                                            wg._x_layout(block_rows))
     types = {"x_desc": mangle_type(desc), **args, **{k: "constexpr" for k in constexprs}}
     sig = {n: types[n] for n in fn.arg_names if n in types}           # in the kernel's argument order
-    k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=constexprs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": wg.WARPS, **options})
+    with unpatched_language():
+        k = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": wg.WARPS, **options})
     return sass_of(k.asm["cubin"])
 
 

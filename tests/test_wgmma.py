@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kernel_env import DEV, random_codes as _codes, require_kernels
-from sass_check import build_sm90, inflight_a_writes
+from sass_check import build_sm90, inflight_a_writes, unpatched_language
 
 require_kernels()
 
@@ -126,6 +126,20 @@ def test_the_inflight_check_sees_a_race():
     assert inflight_a_writes(racy) == ["IMAD R169, R2, 0x3, RZ"]
     assert inflight_a_writes(racy.replace("0x1 ;", "0x0 ;")) == []
     assert inflight_a_writes(racy.replace("R169, R2", "R172, R2")) == []
+
+
+def test_builds_see_the_language_as_imported():
+    """A language function the interpreter left patched (as a device-function call does) is the imported one
+    inside ``unpatched_language`` — where the sm_90 builds compile — and the found state comes back after."""
+    import triton.language as tl
+    real, leaked = tl.core.mul, (lambda *a, **k: None)
+    tl.core.mul = leaked
+    try:
+        with unpatched_language() as n:       # the imported function (not the interpreter's stand-in)
+            assert n >= 1 and tl.core.mul is not leaked and tl.core.mul.__module__ == "triton.language.core"
+        assert tl.core.mul is leaked
+    finally:
+        tl.core.mul = real
 
 
 @pytest.mark.skipif(not wg.HAVE_GLUON, reason="Triton without Gluon")
