@@ -192,7 +192,8 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--block-m", type=int, default=0,
-                    help="route block for every row count (default: the runtime's plans, 8 up to 32 rows, 16-128 above)")
+                    help="route block for every row count (default: the runtime's plans, 8 up to 32 rows, "
+                         "16-128 above)")
     ap.add_argument("--unfused", action="store_true", help="the torch glue instead of the fused passes")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 grouped_mm baseline (needs 6·E·H·I bytes)")
     ap.add_argument("--out", default="benchmarks/results/moe_cuda.json")

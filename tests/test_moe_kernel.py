@@ -154,8 +154,9 @@ def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch, top_k):
     experts = _experts(bits, h=1024, i=512, seed=12)
     layout = tiers_from_bitrates(list(bits), layer="model.layers.0.mlp.experts")
     settings = MoESettings(max_batched=96, max_decode_m=8)
-    layer = MoELayerRuntime(layout.layer, layout, experts, hidden=1024, intermediate=512, top_k=top_k, settings=settings,
-                            cache=MoERuntimeCache(triton_launch_factory), owner=Owner.of(SimpleNamespace(), layout.layer))
+    layer = MoELayerRuntime(layout.layer, layout, experts, hidden=1024, intermediate=512, top_k=top_k,
+                            settings=settings, cache=MoERuntimeCache(triton_launch_factory),
+                            owner=Owner.of(SimpleNamespace(), layout.layer))
     record(monkeypatch, names, real)
     # split K as on a GPU, with a target small enough that the splits (and k-tiles per split) vary with the rows
     # at this small geometry, as they do at real ones with the real target

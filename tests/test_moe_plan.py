@@ -205,7 +205,7 @@ def test_prefill_block_policy_hook_and_explicit_override():
     # prewarm rows: the first and last row count of each block's range inside each row bucket
     assert pre.warm_rows() == (33, 64, 65, 128, 129, 256, 257, 511, 512, 513, 1023, 1024, 1025, 2047, 2048, 2049, 4096,
                                4097, 8192)
-    # steps inside one bucket (a hook that switches at 40 and 50 rows): each block warmed once in its bucket
+    # steps inside one bucket (a hook that switches at 40 and 50 rows): both ends of each block's range
     pol = resolve_policy(GEOM, MoESettings(max_batched=256), CPU,
                          block_policy=lambda g, f, c: 16 if c < 40 else 32 if c < 50 else 64)
     assert pol.prefill.block_steps == ((33, 16), (40, 32), (50, 64))
@@ -213,7 +213,8 @@ def test_prefill_block_policy_hook_and_explicit_override():
     with pytest.raises(PlanError, match="at most the arena's block"):
         resolve_policy(many, MoESettings(max_batched=8192), CPU, block_policy=lambda g, f, c: 64 if c < 8192 else 32)
     with pytest.raises(PlanError, match="not non-decreasing"):
-        resolve_policy(many, MoESettings(max_batched=8192), CPU, block_policy=lambda g, f, c: 64 if c >= 4096 else 32 if 256 <= c < 512 else 16)
+        resolve_policy(many, MoESettings(max_batched=8192), CPU,
+                       block_policy=lambda g, f, c: 64 if c >= 4096 else 32 if 256 <= c < 512 else 16)
     assert resolve_policy(GEOM, MoESettings(max_batched=256), CPU).prefill.block_m == 64
 
 

@@ -327,6 +327,6 @@ def _block_steps(policy: Callable[[int], int], lo: int, hi: int, samples: tuple[
 
 
 __all__ = ["BlockPolicy", "DEFAULT_DECODE_BLOCK_M", "DEFAULT_MAX_DECODE_M", "DEFAULT_PREFILL_BLOCK_M", "DeviceFacts",
-           "LARGE_PREFILL_BLOCK_M",
-           "LayerGeometry", "MoESettings", "Plan", "PlanError", "PlanKind", "PlanPolicy", "SMALL_PREFILL_BLOCK_M", "TINY_PREFILL_BLOCK_M",
-           "Slice", "auto_prefill_block_m", "next_pow2", "query_device_facts", "resolve_policy"]
+           "LARGE_PREFILL_BLOCK_M", "LayerGeometry", "MoESettings", "Plan", "PlanError", "PlanKind", "PlanPolicy",
+           "SMALL_PREFILL_BLOCK_M", "TINY_PREFILL_BLOCK_M", "Slice", "auto_prefill_block_m", "next_pow2",
+           "query_device_facts", "resolve_policy"]
