@@ -310,3 +310,34 @@ def test_exl3linear_prewarm_runs_every_row_bucket_once_per_kernel_key(monkeypatc
     assert {kl.specialization(r, 4, wg) for r in rows} == {kl.specialization(r, 4, wg) for r in range(1, 1000)}
     assert b.prewarm(torch.float16, done) == 0 and len(rows) == n
     assert a.kernel_key(torch.bfloat16) not in done and c.kernel_key(torch.float16) not in done
+
+
+def _q_unrounded(tr: torch.Tensor, bits, codebook: str) -> torch.Tensor:
+    """Q with each MCG/3INST value the exact sum of its two fp16 halves (float64, no fp16 rounding)."""
+    from exl3rt.format.bitstream import unpack_states
+    from exl3rt.format.codebooks import INST3_ADDEND, INST3_MULTIPLIER, MCG_MULTIPLIER, _fp16_from_bits
+    from exl3rt.format.tiles import tiles_to_matrix
+    st = unpack_states(tr.cpu(), bits).to(torch.int64) & 0xFFFF
+    mult, add = (MCG_MULTIPLIER, 0) if codebook == "mcg" else (INST3_MULTIPLIER, INST3_ADDEND)
+    x = ((st * mult + add) & 0xFFFFFFFF & 0x8FFF8FFF) ^ 0x3B603B60
+    return tiles_to_matrix(_fp16_from_bits(x & 0xFFFF).double() + _fp16_from_bits(x >> 16).double())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the unrounded halves are an inline-PTX path (GPU)")
+@pytest.mark.parametrize("codebook,bits,rounded", [("mcg", 3, False), ("3inst", 6, False), ("mcg", 2, True),
+                                                   ("mcg", 4, False)])
+def test_swapped_mma_multiplies_the_unrounded_halves(codebook, bits, rounded, monkeypatch):
+    """1-8 rows (swapped operands), K other than 4/8: the kernel's Q is the exact sum of each codebook value's
+    fp16 halves (x' given in fp16: only fp32 accumulation differs); with ``EXL3RT_KERNEL_ROUNDED_DECODE=1``,
+    and at K = 4, the format's fp16-rounded Q."""
+    if rounded:
+        monkeypatch.setenv("EXL3RT_KERNEL_ROUNDED_DECODE", "1")
+    tr, _, _ = _codes(256, 256, bits, seed=bits)
+    xh = torch.randn(5, 256, generator=torch.Generator().manual_seed(bits)).half()
+    z = kl.mma_rotated(xh.to(DEV), tr, codebook, kl.MmaConfig(nt=2, num_warps=1, target_programs=4, swap=True))
+    z = z.sum(0).double().cpu()
+    exact = xh.double() @ _q_unrounded(tr, bits, codebook)
+    fp16 = xh.double() @ decode(tr.cpu(), bits, codebook).double()
+    halves = not rounded and bits != 4
+    assert _rel(z, exact if halves else fp16) < 2e-6
+    assert _rel(z, fp16 if halves else exact) > 2e-5

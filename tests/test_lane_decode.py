@@ -67,3 +67,31 @@ def test_plan_windows_shares_extracts(ka, half):
     assert shifts <= alone
     if (ka, half) in ((2, 0), (4, 0)):                  # windows 8 / 16 bits apart share extracts
         assert shifts == 3 and shifts < alone
+
+
+@pytest.mark.parametrize("codebook,bits", [(cb, k) for cb in ("mcg", "3inst") for k in (1, 2, 3, 4, 6, 8)])
+def test_lane_halves_sum_to_the_codebook_value(codebook, bits):
+    """``halves=True``: eight outputs, position p's f16x2 word whose two halves, summed exactly and rounded
+    once to fp16, are ``decode_stream``'s value of the position (the mma multiplies both halves by x')."""
+    ka = int(bits)
+    cb = CODEBOOK_IDS[codebook]
+    mult, add = CB_AFFINE[cb]
+    text, cons, n_in = lane_decode_ptx(ka, 0, cb, mult, add, halves=True)
+    assert cons.count("=r") == 8 and n_in == lane_span_words(ka, 0) + 2
+    assert "add.rn.f16" not in text
+    g = torch.Generator().manual_seed(ka * 7 + cb)
+    tr = torch.randint(-32768, 32768, (1, 1, words16_per_tile(bits)), dtype=torch.int16, generator=g)
+    ref = decode_stream(tr, bits, codebook).to(torch.float16).view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    words = tr.view(torch.int32).numpy().astype(np.int64) & 0xFFFFFFFF
+    f16 = lambda b: np.array([b], dtype=np.uint16).view(np.float16)[0]  # noqa: E731
+    for lane in range(32):
+        ins = [int(words[0, 0, i]) for i in lane_words(lane, ka, 0)]
+        out = run_ptx(text, ins + [lane_shift(lane, ka, 0), 0x3B603B60], 8)
+        exact = [np.float32(f16(o & 0xFFFF)) + np.float32(f16(o >> 16)) for o in out]   # exact in fp32
+        got = [int(np.array([np.float16(v)]).view(np.uint16)[0]) for v in exact]
+        assert got == [int(v) for v in ref[0, 0, 8 * lane:8 * lane + 8]], (codebook, bits, lane)
+
+
+def test_lane_halves_rejects_mul1():
+    with pytest.raises(ValueError, match="MUL1"):
+        lane_decode_ptx(4, 0, 2, *CB_AFFINE[2], halves=True)

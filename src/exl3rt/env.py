@@ -108,6 +108,11 @@ KERNEL_NO_PDL: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_NO_PDL", False, _flag,
     "1: launch the linear kernels without programmatic dependent launch (each waits for the last)")
 
+KERNEL_ROUNDED_DECODE: EnvVar[bool] = EnvVar(
+    "EXL3RT_KERNEL_ROUNDED_DECODE", False, _flag,
+    "1: the 1-8-row GEMV kernels round each MCG/3INST weight to fp16 before the multiply, as the format's decode "
+    "does (default: both halves of the codebook sum go to the tensor cores, unrounded; fewer instructions)")
+
 KERNEL_NO_WGMMA: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_NO_WGMMA", False, _flag,
     "1: never use the Hopper wgmma kernels (linear layers: 33-640 rows then take the mma GEMV / decode + cuBLAS; "
@@ -163,8 +168,8 @@ VLLM_CODEBOOK: EnvVar[Optional[str]] = EnvVar(
     "vLLM online EXL3: codebook when quantization_config has no 'codebook' (unset = mcg)")
 
 ALL: tuple[EnvVar, ...] = (LOG_LEVEL, GOLDEN_DIR, KERNEL_CACHE_DIR, MODELS_DIR, CACHE_MODE, CACHE_DIR,
-                           KERNEL_NO_ASM, KERNEL_NO_PDL, KERNEL_NO_WGMMA, MOE_MAX_DECODE_M, MOE_PREFILL_BLOCK_M,
-                           MOE_PREFILL_CAPACITY, VLLM_BITS, VLLM_CODEBOOK)
+                           KERNEL_NO_ASM, KERNEL_NO_PDL, KERNEL_NO_WGMMA, KERNEL_ROUNDED_DECODE, MOE_MAX_DECODE_M,
+                           MOE_PREFILL_BLOCK_M, MOE_PREFILL_CAPACITY, VLLM_BITS, VLLM_CODEBOOK)
 
 
 def xdg_cache_home() -> str:

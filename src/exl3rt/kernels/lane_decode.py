@@ -56,18 +56,26 @@ def needs_shift(ka: int, half: int) -> bool:
 
 
 @lru_cache(maxsize=None)
-def lane_decode_ptx(ka: int, half: int, cb: int, mult: int, add: int) -> tuple[str, str, int]:
+def lane_decode_ptx(ka: int, half: int, cb: int, mult: int, add: int, halves: bool = False) -> tuple[str, str, int]:
     """(PTX text, constraint string, number of inputs) of one lane's decode.
 
     Operands: ``$0..$3`` the four f16x2 B registers (positions 0/1, 2/3, 4/5, 6/7: low half = even
     position), ``$4 .. $(3 + NWL)`` the raw words, then ``R`` and the xor constant.
     ``cb``: 0 = 3INST, 1 = MCG, 2 = MUL1 (``gemv.CODEBOOK_IDS``); ``mult``/``add``: the codebook's
     first step (``gemv.CB_AFFINE``).
+
+    ``halves`` (MCG/3INST only): no fp16 add — ``$0..$7`` are the eight masked words
+    ``(x & 0x8FFF8FFF) ^ 0x3B603B60`` of positions 0..7, each an f16x2 whose two halves sum to the
+    position's codebook value before its fp16 rounding (the mma multiplies both halves by the same x'
+    element: :func:`exl3rt.kernels.mma._mma_tiles`); the raw words then start at ``$8``.
     """
+    if halves and cb == 2:
+        raise ValueError("lane_decode_ptx: halves applies to the MCG and 3INST codebooks, not MUL1")
+    nout = 8 if halves else 4
     nwl = lane_span_words(ka, half)
-    raw = [f"${4 + i}" for i in range(nwl)]
-    rsh = f"${4 + nwl}"
-    xorc = f"${5 + nwl}"
+    raw = [f"${nout + i}" for i in range(nwl)]
+    rsh = f"${nout + nwl}"
+    xorc = f"${nout + 1 + nwl}"
     lines: list[str] = []
     regs32: list[str] = []
     regs16: list[str] = []
@@ -115,16 +123,18 @@ def lane_decode_ptx(ka: int, half: int, cb: int, mult: int, add: int) -> tuple[s
             lines.append(f"and.b32 {s}, {v}, 0xFFFF;")
         states.append(s)
 
-    outs = []
     for q in range(4):
         s0, s1 = states[2 * q], states[2 * q + 1]
-        x0, x1 = r32(f"x{2 * q}"), r32(f"x{2 * q + 1}")
+        x0, x1 = (f"${2 * q}", f"${2 * q + 1}") if halves else (r32(f"x{2 * q}"), r32(f"x{2 * q + 1}"))
         for s, x in ((s0, x0), (s1, x1)):
             if add:
                 lines.append(f"mad.lo.u32 {x}, {s}, 0x{mult:08X}, 0x{add:08X};")
             else:
                 lines.append(f"mul.lo.u32 {x}, {s}, 0x{mult:08X};")
-        if cb == 2:
+        if halves:
+            for x in (x0, x1):
+                lines.append(f"lop3.b32 {x}, {x}, 0x{MCG_MASK:08X}, {xorc}, 0x6A;")
+        elif cb == 2:
             lines.append(f"dp4a.u32.u32 {x0}, {x0}, 0x01010101, 0x6400;")
             lines.append(f"dp4a.u32.u32 {x1}, {x1}, 0x01010101, 0x6400;")
             lines.append(f"prmt.b32 {x0}, {x0}, {x1}, 0x5410;")
@@ -137,7 +147,6 @@ def lane_decode_ptx(ka: int, half: int, cb: int, mult: int, add: int) -> tuple[s
                 lines.append(f"mov.b32 {{{lo}, {hi}}}, {x};")
                 lines.append(f"add.rn.f16 {v}, {lo}, {hi};")
             lines.append(f"mov.b32 ${q}, {{{v0}, {v1}}};")
-        outs.append(f"${q}")
 
     decl = []
     if cb == 2:
@@ -149,7 +158,7 @@ def lane_decode_ptx(ka: int, half: int, cb: int, mult: int, add: int) -> tuple[s
     if regs16:
         decl.append(".reg .b16 " + ", ".join(regs16) + ";")
     text = "{\n" + "\n".join(decl + lines) + "\n}"
-    constraints = ",".join(["=r"] * 4 + ["r"] * (nwl + 2))
+    constraints = ",".join(["=r"] * nout + ["r"] * (nwl + 2))
     return text, constraints, nwl + 2
 
 

@@ -57,10 +57,10 @@ if HAVE_TRITON:
 
     # (imported inside: Triton's dependency scan refuses plain Python functions among a jit function's globals)
     @constexpr_function
-    def _ptx_text(ka, half, cb, mult, add, key):
+    def _ptx_text(ka, half, cb, mult, add, key, halves=False):
         """The lane's PTX (``key``, the generator's source hash, is there for Triton's cache key)."""
         from .lane_decode import lane_decode_ptx
-        return lane_decode_ptx(ka, half, cb, mult, add)[0]
+        return lane_decode_ptx(ka, half, cb, mult, add, bool(halves))[0]
 
     @constexpr_function
     def _unroll_for(ka, half):
@@ -69,9 +69,17 @@ if HAVE_TRITON:
         return mma.default_unroll(ka + half / 2)
 
     @constexpr_function
-    def _ptx_constraints(ka, half, cb, mult, add):
+    def _halves_for(halves, swap, ka, half):
+        """The unrounded halves (swapped operands only) where the lane decode has normalizing shifts: K other
+        than 4 and 8 (H200, 2026-12-01, 4096×14336, kernel alone at rows 1/4/8: K2 −8 %, K3 −5 %, K6 −2 %,
+        K4 +1.5 %)."""
+        from .lane_decode import needs_shift
+        return bool(halves) and bool(swap) and needs_shift(ka, half)
+
+    @constexpr_function
+    def _ptx_constraints(ka, half, cb, mult, add, halves=False):
         from .lane_decode import lane_decode_ptx
-        return lane_decode_ptx(ka, half, cb, mult, add)[1]
+        return lane_decode_ptx(ka, half, cb, mult, add, bool(halves))[1]
 
     @triton.jit
     def _lane_decode(raw, rsh, xorc, KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
@@ -87,6 +95,27 @@ if HAVE_TRITON:
             r = tl.inline_asm_elementwise(TEXT, CONS, [raw[0], raw[1], raw[2], rsh, xorc],
                                           dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
         return r
+
+    @triton.jit
+    def _lane_halves(raw, rsh, xorc, KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
+                     ADD: tl.constexpr, NWL: tl.constexpr):
+        """MCG/3INST: the lane's eight masked words (one per position 0..7), each an f16x2 whose halves sum to
+        the position's codebook value before its fp16 rounding (``lane_decode_ptx(..., halves=True)``)."""
+        TEXT: tl.constexpr = _ptx_text(KA, HALF, CB, MULT, ADD, _LANE_PTX_KEY, True)
+        CONS: tl.constexpr = _ptx_constraints(KA, HALF, CB, MULT, ADD, True)
+        T8: tl.constexpr = (tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32)
+        if NWL == 2:
+            r = tl.inline_asm_elementwise(TEXT, CONS, [raw[0], raw[1], rsh, xorc], dtype=T8, is_pure=True, pack=1)
+        else:
+            r = tl.inline_asm_elementwise(TEXT, CONS, [raw[0], raw[1], raw[2], rsh, xorc], dtype=T8, is_pure=True,
+                                          pack=1)
+        return r
+
+    @triton.jit
+    def _dup_halves(v):
+        """(low half twice, high half twice) of f16x2 registers ``v``."""
+        return tl.inline_asm_elementwise("prmt.b32 $0, $2, $2, 0x1010;\n\tprmt.b32 $1, $2, $2, 0x3232;",
+                                         "=r,=r,r", [v], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
 
     @triton.jit
     def _window(n_prev, n_cur, D: tl.constexpr):
@@ -188,14 +217,26 @@ if HAVE_TRITON:
                    KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
                    ADD: tl.constexpr, NT: tl.constexpr, NWL: tl.constexpr, ASM: tl.constexpr, MB: tl.constexpr,
                    SWAP: tl.constexpr, RB: tl.constexpr, WARPS: tl.constexpr, XFRAG: tl.constexpr = False,
-                   blive=None, SKIP: tl.constexpr = False):
+                   blive=None, SKIP: tl.constexpr = False, HALVES: tl.constexpr = False):
         """One k-tile ``ac`` of the NT tiles: decode each tile's words ``wc`` and multiply-accumulate with the
         x' fragments ``xc`` (the emulation loads x' itself and masks k-tiles past ``a1``); returns the accumulators.
         ``SKIP``: row blocks ``b > 0`` with ``blive[b]`` false (no row of the block exists) run no mma."""
         new_acc = ()
+        if ASM and HALVES:
+            # the unrounded halves (SWAP only): A = Qᵀ becomes 16 × 32, position p's word filling two k slots
+            # that the B fragment fills with the same x' element: pair slot j < 4 of the first mma holds
+            # k = 2j, slot j + 4 k = 2j + 1; the second mma the same at k + 8
+            xl0, xh0 = _dup_halves(xc[0])
+            xl1, xh1 = _dup_halves(xc[1])
         for s_ in tl.static_range(NT):
             raw = wc[s_]
-            if ASM:
+            if ASM and HALVES:
+                r0, r1, r2, r3, r4, r5, r6, r7 = _lane_halves(raw, rsh32, xorc, KA, HALF, CB, MULT, ADD, NWL)
+                d = acc[s_][0]
+                d0, d1, d2, d3 = _mma(r0, r4, r1, r5, xl0, xh0, d[0], d[1], d[2], d[3])
+                d0, d1, d2, d3 = _mma(r2, r6, r3, r7, xl1, xh1, d0, d1, d2, d3)
+                new_acc = new_acc + (((d0, d1, d2, d3),),)
+            elif ASM:
                 p01, p23, p45, p67 = _lane_decode(raw, rsh32, xorc, KA, HALF, CB, MULT, ADD, NWL)
                 if SWAP:
                     d = acc[s_][0]
@@ -238,7 +279,8 @@ if HAVE_TRITON:
                     KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
                     ADD: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr,
                     ASM: tl.constexpr, KSPLIT: tl.constexpr, MB: tl.constexpr, SWAP: tl.constexpr,
-                    PDL: tl.constexpr = False, UNROLL: tl.constexpr = 2, XFRAG: tl.constexpr = False):
+                    PDL: tl.constexpr = False, UNROLL: tl.constexpr = 2, XFRAG: tl.constexpr = False,
+                    HALVES: tl.constexpr = False):
         """z[split, m, n] = Σ_{k in split} x'[m, k]·Q[k, n] for 16·MB rows (8 with SWAP; pid 2), NT·WARPS
         n-tiles (NT with KSPLIT: the warps split the k-tiles), one K-split."""
         # PDL: no early trigger here — the post-pass's programs would sit on SMs waiting for this grid
@@ -250,7 +292,7 @@ if HAVE_TRITON:
         a1 = tl.minimum(a0 + k_per, in_tiles)
         _mma_pass(x_ptr, w_ptr, z_ptr + pid_k * stride_zs, rows, pid_m * (8 if SWAP else 16) * MB, a0, a1, pid_n,
                   tn_total, stride_x, one, KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, KSPLIT, MB, SWAP, PDL, UNROLL,
-                  XFRAG)
+                  XFRAG, False, HALVES)
 
     @triton.jit
     def _mma_pass(x_ptr, w_ptr, zrow, rows, m0, a0, a1, pid_n, tn_total, stride_x, one,
@@ -258,7 +300,7 @@ if HAVE_TRITON:
                   ADD: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr,
                   ASM: tl.constexpr, KSPLIT: tl.constexpr = False, MB: tl.constexpr = 1,
                   SWAP: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 2,
-                  XFRAG: tl.constexpr = False, SKIP: tl.constexpr = False):
+                  XFRAG: tl.constexpr = False, SKIP: tl.constexpr = False, HALVES: tl.constexpr = False):
         """Rows ``m0 .. m0 + 16·MB − 1`` (those < ``rows``; MB 16-row blocks share each decoded tile) of ``z = x'·Q[a0·16 : a1·16, :]`` for the n-tiles of
         ``pid_n``, stored at ``zrow`` (``[rows, out_p]`` fp32); ``w_ptr`` points at Q's first tile.
 
@@ -280,6 +322,7 @@ if HAVE_TRITON:
         blocks, whose padding slots fill whole 16-row blocks of a 32/64-route block).
         """
         RB: tl.constexpr = 8 if SWAP else 16                       # rows per row block
+        HV: tl.constexpr = _halves_for(HALVES, SWAP, KA, HALF)  # this K takes the unrounded halves
         NW: tl.constexpr = 8 * KA + 4 * HALF                      # words per tile
         STEP: tl.constexpr = WARPS if KSPLIT else 1               # k-tiles per loop iteration
         TSTRIDE: tl.constexpr = 1 if KSPLIT else WARPS            # tile s of a warp: tile0 + s·TSTRIDE
@@ -369,13 +412,13 @@ if HAVE_TRITON:
                 else:
                     xb = xn
                 acc = _mma_tiles(acc, wn, xn, ac, a1, x_ptr, rsh, rsh32, xorc, mm, mmask, stride_x, r_base,
-                                 KA, HALF, CB, MULT, ADD, NT, NWL, ASM, MB, SWAP, RB, WARPS, XFRAG, blive, SKIP)
+                                 KA, HALF, CB, MULT, ADD, NT, NWL, ASM, MB, SWAP, RB, WARPS, XFRAG, blive, SKIP, HV)
                 an = tl.minimum(ac + 2 * STEP, a1 - 1)
                 wn = _load_words(wbase, an * kstride, NT, TSTRIDE * NW, NWL)
                 if ASM:
                     xn = _load_x(xs, (ac + 2 * STEP) < a1, an, MB, SWAP, XFRAG, blive, SKIP)
                 acc = _mma_tiles(acc, wb, xb, ac + STEP, a1, x_ptr, rsh, rsh32, xorc, mm, mmask, stride_x, r_base,
-                                 KA, HALF, CB, MULT, ADD, NT, NWL, ASM, MB, SWAP, RB, WARPS, XFRAG, blive, SKIP)
+                                 KA, HALF, CB, MULT, ADD, NT, NWL, ASM, MB, SWAP, RB, WARPS, XFRAG, blive, SKIP, HV)
         else:
             for a in range(a0, a1, STEP):
                 wc = wn
@@ -386,7 +429,7 @@ if HAVE_TRITON:
                 if ASM:
                     xn = _load_x(xs, (ac + STEP) < a1, an, MB, SWAP, XFRAG, blive, SKIP)
                 acc = _mma_tiles(acc, wc, xc, ac, a1, x_ptr, rsh, rsh32, xorc, mm, mmask, stride_x, r_base,
-                                 KA, HALF, CB, MULT, ADD, NT, NWL, ASM, MB, SWAP, RB, WARPS, XFRAG, blive, SKIP)
+                                 KA, HALF, CB, MULT, ADD, NT, NWL, ASM, MB, SWAP, RB, WARPS, XFRAG, blive, SKIP, HV)
         out_p = tn_total * 16
         if ASM:
             if SWAP:

@@ -41,7 +41,7 @@ from ..util.ints import next_pow2
 from . import mma as _mm
 from . import moe_wgmma as _mwg
 from ._triton import HAVE_TRITON, tl, triton
-from .linear import _cb_args, _kernel_bits, _use_asm, gemv_splits
+from .linear import _cb_args, _kernel_bits, _use_asm, gemv_splits, use_halves
 
 MAX_TIERS = 4
 
@@ -65,14 +65,14 @@ if HAVE_TRITON:
     def _tier_pass(x_ptr, w_ptr, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
                    KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr,
                    NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr, ASM: tl.constexpr,
-                   SWAP: tl.constexpr, XFRAG: tl.constexpr, MB: tl.constexpr):
+                   SWAP: tl.constexpr, XFRAG: tl.constexpr, MB: tl.constexpr, HALVES: tl.constexpr = False):
         """One pass of 16·MB routes (8 with SWAP; MB 16-row blocks share each decoded tile) of one tier:
         expert ``local`` of the tier's stacked trellis at ``w_ptr``; 16-row blocks past ``lim`` (padding
         slots only) load no x' and run no mma."""
         estride = k_tiles * n_tiles * (8 * KA + 4 * HALF)          # int32 words per expert
         _mma_pass(x_ptr, w_ptr + local * estride, z_ptr, lim, m0, a0, a1, pid_n, n_tiles, stride_x, one,
                   KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, False, MB, SWAP, False, _unroll_for(KA, HALF),
-                  XFRAG, MB > 1)
+                  XFRAG, MB > 1, HALVES)
 
     # k_per follows from the row count (the split-K target counts route blocks): no specialization on it,
     # or a prewarm at one row count would not cover another
@@ -87,7 +87,8 @@ if HAVE_TRITON:
                         K3A: tl.constexpr, K3H: tl.constexpr, N3: tl.constexpr,
                         CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr, NT: tl.constexpr,
                         WARPS: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr, NPROJ: tl.constexpr,
-                        XFRAG: tl.constexpr = False, MB: tl.constexpr = 1, REAL: tl.constexpr = False):
+                        XFRAG: tl.constexpr = False, MB: tl.constexpr = 1, REAL: tl.constexpr = False,
+                        HALVES: tl.constexpr = False):
         """z[slot, :] = x'[slot, :]·Q_e for the BLOCK_M slots of route block ``program_id(1)``
         (expert e = blk[j]), the n-tiles of ``program_id(0)``, K-split ``program_id(2)`` (partials
         ``z[split]``); blocks past ``npad / BLOCK_M`` exit. NPROJ = 2: two projections of the same
@@ -128,19 +129,23 @@ if HAVE_TRITON:
                 m0 = j * BLOCK_M + mb
                 if tier == 0:
                     _tier_pass(x_ptr, w0, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
-                               K0A, K0H, CB, MULT, ADD, NT, WARPS, N0, ASM, BLOCK_M <= 8, XFRAG, MB)
+                               K0A, K0H, CB, MULT, ADD, NT, WARPS, N0, ASM, BLOCK_M <= 8, XFRAG, MB,
+                               HALVES)
                 if NTIERS > 1:
                     if tier == 1:
                         _tier_pass(x_ptr, w1, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
-                                   K1A, K1H, CB, MULT, ADD, NT, WARPS, N1, ASM, BLOCK_M <= 8, XFRAG, MB)
+                                   K1A, K1H, CB, MULT, ADD, NT, WARPS, N1, ASM, BLOCK_M <= 8, XFRAG, MB,
+                                   HALVES)
                 if NTIERS > 2:
                     if tier == 2:
                         _tier_pass(x_ptr, w2, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
-                                   K2A, K2H, CB, MULT, ADD, NT, WARPS, N2, ASM, BLOCK_M <= 8, XFRAG, MB)
+                                   K2A, K2H, CB, MULT, ADD, NT, WARPS, N2, ASM, BLOCK_M <= 8, XFRAG, MB,
+                                   HALVES)
                 if NTIERS > 3:
                     if tier == 3:
                         _tier_pass(x_ptr, w3, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
-                                   K3A, K3H, CB, MULT, ADD, NT, WARPS, N3, ASM, BLOCK_M <= 8, XFRAG, MB)
+                                   K3A, K3H, CB, MULT, ADD, NT, WARPS, N3, ASM, BLOCK_M <= 8, XFRAG, MB,
+                                   HALVES)
 
 
 def default_target_programs(device: torch.device) -> int:
@@ -247,7 +252,7 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
                           K2A=ks[2][0], K2H=ks[2][1], N2=nwl[2], K3A=ks[3][0], K3H=ks[3][1], N3=nwl[3],
                           CB=cb, MULT=mult, ADD=add, NT=ntw // warps, WARPS=warps, BLOCK_M=block_m,
                           ASM=_use_asm(xs.device), NPROJ=nproj, XFRAG=bool(frag), MB=pass_row_blocks(block_m),
-                          REAL=real, num_warps=warps)
+                          REAL=real, HALVES=use_halves(xs.device, cb, block_m <= 8), num_warps=warps)
     return z
 
 
