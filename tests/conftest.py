@@ -8,6 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+if _workers > 1:
+    # `make test` runs pytest-xdist workers, one per core (up to 4): give each worker its share of the cores
+    # instead of letting every worker's torch start one thread per core
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
 if not torch.cuda.is_available():
     # Triton reads TRITON_INTERPRET when @triton.jit decorates, i.e. when exl3rt.encode.viterbi_triton
     # is first imported: set it before any test module can import it, so the GPU kernels run in
