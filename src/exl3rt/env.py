@@ -110,8 +110,9 @@ KERNEL_NO_PDL: EnvVar[bool] = EnvVar(
 
 KERNEL_ROUNDED_DECODE: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_ROUNDED_DECODE", False, _flag,
-    "1: the 1-8-row GEMV kernels round each MCG/3INST weight to fp16 before the multiply, as the format's decode "
-    "does (default: both halves of the codebook sum go to the tensor cores, unrounded; fewer instructions)")
+    "1: the 1-8-row GEMV kernels (linear layers, MoE decode) round each MCG/3INST weight to fp16 before the "
+    "multiply, as the format's decode does (default at K other than 4 and 8: both halves of the codebook sum go to "
+    "the tensor cores unrounded, fewer instructions, within half an fp16 ulp of the format's weight)")
 
 KERNEL_NO_WGMMA: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_NO_WGMMA", False, _flag,

@@ -156,8 +156,10 @@ def _use_asm(device: torch.device) -> bool:
 
 
 def use_halves(device: torch.device, cb: int, swap: bool) -> bool:
-    """The swapped (1-8-row) mma kernels multiply both halves of each MCG/3INST codebook sum, unrounded
-    (``lane_decode_ptx(..., halves=True)``), unless ``EXL3RT_KERNEL_ROUNDED_DECODE`` is set: inline PTX only."""
+    """The swapped (1-8-row) mma kernels — linear layers and the MoE decode plan's tiered launch — may multiply
+    both halves of each MCG/3INST codebook sum, unrounded (``lane_decode_ptx(..., halves=True)``), unless
+    ``EXL3RT_KERNEL_ROUNDED_DECODE`` is set; inline PTX only. The kernel takes them where K is not 4 or 8
+    (``mma._halves_for``)."""
     return swap and cb != 2 and _use_asm(device) and not env.KERNEL_ROUNDED_DECODE.get()
 
 

@@ -166,9 +166,10 @@ if HAVE_TRITON:
     def _load_x(xs, kv, a, MB: tl.constexpr, SWAP: tl.constexpr, XFRAG: tl.constexpr, blive=None,
                 SKIP: tl.constexpr = False):
         """The lane's x' fragments of k-tile ``a`` (zero where ``kv`` is false). ``XFRAG``: x' is stored in
-        fragment order (:func:`xfrag_offsets`; ``xs = (xf, bstride)``): one 16-byte (8 with SWAP) vector
-        load per row block; else row-major (``xs = (xa_lo, mrow, mlo, mhi, rstride)``): 4 (2) scalar loads
-        per row block, each touching 8 rows. ``SKIP``: row blocks ``b`` with ``blive[b]`` false load nothing
+        fragment order (:func:`xfrag_offsets`; ``xs = (xf, bstride)``): a ``[32, 4]`` (``[32, 2]`` with SWAP)
+        load per row block (coalesced; 1-D loads per word were slower, docs/kernels.md); else row-major
+        (``xs = (xa_lo, mrow, mlo, mhi, rstride)``): 4 (2) scalar loads per row block, each touching 8 rows.
+        ``SKIP``: row blocks ``b`` with ``blive[b]`` false load nothing
         (fragment order only)."""
         if XFRAG:
             xf, bstride = xs
@@ -316,8 +317,12 @@ if HAVE_TRITON:
         operand (16 × 8): one ``mma.m16n8k16`` per tile instead of two, 4 accumulators instead of 8.
 
         ``XFRAG``: x' is stored in fragment order (``hadamard.xfrag_offsets``, rows padded with zeros to whole
-        row blocks; ``stride_x`` is then int32 words per row block): one vector load per lane, k-tile and row
-        block. ``UNROLL`` (1 or 2): k-tiles per warp and loop iteration (``default_unroll``). ``SKIP`` (MB > 1,
+        row blocks; ``stride_x`` is then int32 words per row block): the lane's 2 (SWAP) or 4 consecutive words per
+        k-tile and row block, loaded as a ``[32, 2]`` / ``[32, 4]`` tensor (each load instruction reads 32
+        consecutive words; SASS then moves them to their lanes). ``UNROLL`` (1 or 2): k-tiles per warp and loop
+        iteration (``default_unroll``). ``HALVES`` (MCG/3INST, with SWAP, where the K has normalizing shifts:
+        :func:`_halves_for`): each weight enters the mma as its two unrounded fp16 halves (two mma per tile, x'
+        duplicated; docs/kernels.md). ``SKIP`` (MB > 1,
         fragment order): 16-row blocks with no row below ``rows`` load no x' and run no mma (the MoE's route
         blocks, whose padding slots fill whole 16-row blocks of a 32/64-route block).
         """
