@@ -155,12 +155,12 @@ def _use_asm(device: torch.device) -> bool:
     return device.type == "cuda" and not interpreting() and not env.KERNEL_NO_ASM.get()
 
 
-def use_halves(device: torch.device, cb: int, swap: bool) -> bool:
-    """The swapped (1-8-row) mma kernels — linear layers and the MoE decode plan's tiered launch — may multiply
-    both halves of each MCG/3INST codebook sum, unrounded (``lane_decode_ptx(..., halves=True)``), unless
-    ``EXL3RT_KERNEL_ROUNDED_DECODE`` is set; inline PTX only. The kernel takes them where K is not 4 or 8
-    (``mma._halves_for``)."""
-    return swap and cb != 2 and _use_asm(device) and not env.KERNEL_ROUNDED_DECODE.get()
+def use_halves(device: torch.device, cb: int) -> bool:
+    """The mma kernels may multiply both halves of each MCG/3INST codebook sum, unrounded
+    (``lane_decode_ptx(..., halves=True)``): inline PTX, not MUL1, ``EXL3RT_KERNEL_ROUNDED_DECODE`` unset. The
+    kernel takes them where they pay (``mma._halves_for``: swapped operands — 1-8 rows, the MoE decode plan —
+    and K other than 4 and 8)."""
+    return cb != 2 and _use_asm(device) and not env.KERNEL_ROUNDED_DECODE.get()
 
 
 def _use_pdl(device: torch.device) -> bool:
@@ -290,7 +290,7 @@ def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Opt
                           KA=ka, HALF=half, CB=cb, MULT=mult, ADD=add, NT=nt_warp, WARPS=warps,
                           NWL=_mm.words_per_lane(bits), ASM=_use_asm(xh.device),
                           KSPLIT=cfg.ksplit, MB=cfg.row_blocks, SWAP=cfg.swap, UNROLL=unroll, XFRAG=xfrag,
-                          HALVES=use_halves(xh.device, cb, cfg.swap), num_warps=warps,
+                          HALVES=use_halves(xh.device, cb), num_warps=warps,
                           num_stages=cfg.num_stages, **_pdl_args(xh.device))
     return z
 

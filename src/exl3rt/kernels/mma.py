@@ -70,9 +70,9 @@ if HAVE_TRITON:
 
     @constexpr_function
     def _halves_for(halves, swap, ka, half):
-        """The unrounded halves (swapped operands only) where the lane decode has normalizing shifts: K other
-        than 4 and 8 (H200, 2026-12-01, 4096×14336, kernel alone at rows 1/4/8: K2 −8 %, K3 −5 %, K6 −2 %,
-        K4 +1.5 %)."""
+        """Where allowed (``halves``), the unrounded halves run with swapped operands (at 9–64 rows, decoded tile as
+        B, they were 3–15 % slower) where the lane decode has normalizing shifts: K other than 4 and 8 (H200,
+        2026-12-01, 4096×14336, kernel alone at rows 1/4/8: K2 −8 %, K3 −5 %, K6 −2 %, K4 +1.5 %)."""
         from .lane_decode import needs_shift
         return bool(halves) and bool(swap) and needs_shift(ka, half)
 
@@ -320,9 +320,9 @@ if HAVE_TRITON:
         row blocks; ``stride_x`` is then int32 words per row block): the lane's 2 (SWAP) or 4 consecutive words per
         k-tile and row block, loaded as a ``[32, 2]`` / ``[32, 4]`` tensor (each load instruction reads 32
         consecutive words; SASS then moves them to their lanes). ``UNROLL`` (1 or 2): k-tiles per warp and loop
-        iteration (``default_unroll``). ``HALVES`` (MCG/3INST, with SWAP, where the K has normalizing shifts:
-        :func:`_halves_for`): each weight enters the mma as its two unrounded fp16 halves (two mma per tile, x'
-        duplicated; docs/kernels.md). ``SKIP`` (MB > 1,
+        iteration (``default_unroll``). ``HALVES`` (MCG/3INST, allowed by the host): with SWAP and where the K has
+        normalizing shifts (:func:`_halves_for`), each weight enters the mma as its two unrounded fp16 halves (two
+        mma per tile, x' duplicated; docs/kernels.md). ``SKIP`` (MB > 1,
         fragment order): 16-row blocks with no row below ``rows`` load no x' and run no mma (the MoE's route
         blocks, whose padding slots fill whole 16-row blocks of a 32/64-route block).
         """

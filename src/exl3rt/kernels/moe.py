@@ -252,7 +252,7 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
                           K2A=ks[2][0], K2H=ks[2][1], N2=nwl[2], K3A=ks[3][0], K3H=ks[3][1], N3=nwl[3],
                           CB=cb, MULT=mult, ADD=add, NT=ntw // warps, WARPS=warps, BLOCK_M=block_m,
                           ASM=_use_asm(xs.device), NPROJ=nproj, XFRAG=bool(frag), MB=pass_row_blocks(block_m),
-                          REAL=real, HALVES=use_halves(xs.device, cb, block_m <= 8), num_warps=warps)
+                          REAL=real, HALVES=use_halves(xs.device, cb), num_warps=warps)
     return z
 
 
