@@ -142,6 +142,50 @@ def test_mma_matches_reconstruct(codebook, bits, shape, rows, cfg):
     assert _rel(y, ref) < 1e-3
 
 
+@pytest.mark.parametrize("codebook,bits,rows", [("mcg", 3, 6), ("mul1", 2.5, 1)])
+def test_swapped_mma_adds_its_splits_into_one_buffer(codebook, bits, rows, monkeypatch):
+    """1-8 rows (swapped operands): the K splits add into one fp32 buffer (atomic adds) — the same sums as the
+    per-split partials that ``EXL3RT_KERNEL_DETERMINISTIC=1`` keeps (fp32 order only), and through
+    ``exl3_linear`` (the pre-pass zeroes the buffer) the same output as float64 x·W."""
+    tr, suh, svh = _codes(512, 128, bits, seed=rows)
+    cfg = kl.MmaConfig(nt=2, num_warps=1, target_programs=32, swap=True)
+    xh = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).half().to(DEV)
+    assert kl.use_atomic(cfg) and not kl.use_atomic(kl.MmaConfig(nt=2, swap=False))
+    z = kl.mma_rotated(xh, tr, codebook, cfg)
+    monkeypatch.setenv("EXL3RT_KERNEL_DETERMINISTIC", "1")
+    assert not kl.use_atomic(cfg)
+    parts = kl.mma_rotated(xh, tr, codebook, cfg)
+    assert z.shape == (1, rows, 128) and parts.shape[0] >= 4 and parts.shape[1:] == (rows, 128)
+    assert _rel(z[0], parts.sum(0).double().cpu()) < 1e-6
+    ref = xh.double().cpu() @ decode(tr.cpu(), bits, codebook).double()
+    assert _rel(z[0], ref) < 1e-3
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(7))
+    wref = x.double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), codebook, dtype=torch.float64)
+    ys = []
+    for det in ("1", "0"):
+        monkeypatch.setenv("EXL3RT_KERNEL_DETERMINISTIC", det)
+        ys.append(kl.exl3_linear(x.to(DEV), tr, suh, svh, codebook, path="mma", mma_cfg=cfg))
+        assert _rel(ys[-1], wref) < 1e-3
+    assert _rel(ys[1], ys[0].double().cpu()) < 1e-6
+
+
+def test_pre_pass_zeroes_the_accumulation_buffer():
+    """``had(..., zero=buf)`` (pre-pass) writes zeros over every element of ``buf`` — more elements than the
+    launch has programs, a count that is no multiple of them — and x' as without it; a non-fp32 buffer or a
+    post-pass with ``zero`` is refused."""
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1)).to(DEV)
+    s = torch.rand(256, generator=torch.Generator().manual_seed(2)).half().to(DEV)
+    buf = torch.full((1, 3, 1411), float("nan"), device=DEV)
+    out, ref = torch.empty(3, 256, device=DEV), torch.empty(3, 256, device=DEV)
+    kl._had(x, s, out, pre=True, zero=buf)
+    kl._had(x, s, ref, pre=True)
+    assert torch.equal(buf, torch.zeros_like(buf)) and torch.equal(out, ref)
+    with pytest.raises(ValueError, match="zero="):
+        kl._had(x, s, out, pre=True, zero=buf.half())
+    with pytest.raises(ValueError, match="zero="):
+        kl._had(out, s, ref, pre=False, zero=buf)
+
+
 def test_mma_words_per_lane():
     """NWL covers every lane's 8 windows (7·KA + 4·HALF + 16 bits at the lane's alignment), brute force."""
     from exl3rt.kernels.mma import words_per_lane

@@ -114,6 +114,12 @@ KERNEL_ROUNDED_DECODE: EnvVar[bool] = EnvVar(
     "multiply, as the format's decode does (default at K other than 4 and 8: both halves of the codebook sum go to "
     "the tensor cores unrounded, fewer instructions, within half an fp16 ulp of the format's weight)")
 
+KERNEL_DETERMINISTIC: EnvVar[bool] = EnvVar(
+    "EXL3RT_KERNEL_DETERMINISTIC", False, _flag,
+    "1: the 1-8-row GEMV kernels of the linear layers write one partial sum per K split and a second pass adds them "
+    "in a fixed order (bit-identical results from run to run; default: the splits add into one fp32 buffer with "
+    "atomic adds, whose order varies, and the second pass reads only that buffer: faster at 2-8 rows)")
+
 KERNEL_NO_WGMMA: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_NO_WGMMA", False, _flag,
     "1: never use the Hopper wgmma kernels (linear layers: 33-640 rows then take the mma GEMV / decode + cuBLAS; "
@@ -169,8 +175,8 @@ VLLM_CODEBOOK: EnvVar[Optional[str]] = EnvVar(
     "vLLM online EXL3: codebook when quantization_config has no 'codebook' (unset = mcg)")
 
 ALL: tuple[EnvVar, ...] = (LOG_LEVEL, GOLDEN_DIR, KERNEL_CACHE_DIR, MODELS_DIR, CACHE_MODE, CACHE_DIR,
-                           KERNEL_NO_ASM, KERNEL_NO_PDL, KERNEL_NO_WGMMA, KERNEL_ROUNDED_DECODE, MOE_MAX_DECODE_M,
-                           MOE_PREFILL_BLOCK_M, MOE_PREFILL_CAPACITY, VLLM_BITS, VLLM_CODEBOOK)
+                           KERNEL_DETERMINISTIC, KERNEL_NO_ASM, KERNEL_NO_PDL, KERNEL_NO_WGMMA, KERNEL_ROUNDED_DECODE,
+                           MOE_MAX_DECODE_M, MOE_PREFILL_BLOCK_M, MOE_PREFILL_CAPACITY, VLLM_BITS, VLLM_CODEBOOK)
 
 
 def xdg_cache_home() -> str:

@@ -55,17 +55,25 @@ if HAVE_TRITON:
     @triton.jit(do_not_specialize=["rows", "splits", "rows_out"])
     def _had_kernel(x_ptr, s_ptr, y_ptr, rows, n, splits, stride_split, PRE: tl.constexpr,
                     BR: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False, FRAG: tl.constexpr = 0,
-                    rows_out=0):
+                    rows_out=0, zero_ptr=None, zero_n=0, ZERO: tl.constexpr = False):
         """One [BR, 128] block: PRE: y = (x ⊙ s)·H; else y = (Σ_split x[split])·H ⊙ s  (H = H128/√128).
         ``PDL`` (programmatic dependent launch): let the next kernel launch now, wait for the previous
         one's writes before reading. ``FRAG`` (PRE only): y is written in the mma GEMV's fragment order
         (1: A fragments of 16-row blocks, 2: B fragments of 8-row blocks), ``rows_out`` rows (the rows past
-        ``rows`` zero)."""
+        ``rows`` zero). ``ZERO`` (PRE only): the programs of row block 0 also zero the ``zero_n`` fp32 at
+        ``zero_ptr`` (the next kernel's accumulation buffer), a slice each."""
         if PDL:
             gdc_launch_dependents()
             gdc_wait()
         pid_r = tl.program_id(0)
         pid_c = tl.program_id(1)
+        if ZERO:
+            if pid_r == 0:
+                per = tl.cdiv(zero_n, tl.num_programs(1))
+                z_end = tl.minimum(pid_c * per + per, zero_n)
+                zo = tl.arange(0, 512)
+                for z0 in range(pid_c * per, z_end, 512):
+                    tl.store(zero_ptr + z0 + zo, tl.zeros([512], tl.float32), mask=(z0 + zo) < z_end)
         r = pid_r * BR + tl.arange(0, BR)
         c = pid_c * 128 + tl.arange(0, 128)
         rmask = r < rows
@@ -94,11 +102,14 @@ if HAVE_TRITON:
 
 
 def had(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, pre: bool, splits: int = 1,
-        stride_split: int = 0, pdl: bool = False, frag: int = 0, launch: Optional[tuple[int, int, int]] = None
-        ) -> torch.Tensor:
+        stride_split: int = 0, pdl: bool = False, frag: int = 0, launch: Optional[tuple[int, int, int]] = None,
+        zero: Optional[torch.Tensor] = None) -> torch.Tensor:
     """pre: out = (x ⊙ scale)·H per 128-block; post: out = (Σ_split x[split])·H ⊙ scale. One launch.
     ``frag`` (pre only): out ``[rows_pad, n]`` in the mma GEMV's fragment order (1: 16-row A fragments,
-    2: 8-row B fragments; :func:`xfrag_offsets`), rows past x's zero."""
+    2: 8-row B fragments; :func:`xfrag_offsets`), rows past x's zero. ``zero`` (pre only; contiguous fp32):
+    zeroed by the same launch (the accumulation buffer of the kernel that reads ``out``)."""
+    if zero is not None and (not pre or zero.dtype != torch.float32 or not zero.is_contiguous()):
+        raise ValueError("had: zero= takes a contiguous fp32 tensor, in a pre-pass")
     rows_out, n = out.shape
     rows = x.shape[0] if frag else rows_out
     # One-warp programs (H200, 2026-11-30, one graph of 32 calls per configuration, best of 20-36
@@ -110,14 +121,18 @@ def had(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, pre: bool, s
         br, warps, sb = launch
     elif pre:
         br, warps, sb = min(8, next_pow2(rows)), 1, 1
-    elif splits > 1:
+    elif splits > 1 or rows <= 8:
+        # (also the one-split sums of the atomic 1-8-row GEMV, H200 2026-12-01, 32 calls in a graph, K4 rows 8:
+        # 4096x14336 22.6 µs vs 31.0 with 4 rows per program, 14336x4096 24.9 vs 22.2 — at 4 rows per program
+        # the early-launched GEMV of the next call crowds one shape's post-pass out; one row is never the worst)
         br, warps, sb = 1, 1, min(32, next_pow2(splits))
     else:
         br, warps, sb = min(4, next_pow2(rows)), 1, 1
     grid = (triton.cdiv(rows_out, br), n // 128)
     extra = {"PDL": True, "launch_pdl": True} if pdl else {}
+    zargs = {"zero_ptr": zero, "zero_n": zero.numel(), "ZERO": True} if zero is not None else {}
     _had_kernel[grid](x, scale, out, rows, n, splits, stride_split, PRE=pre, BR=br, SB=sb, num_warps=warps,
-                      FRAG=frag, rows_out=rows_out, **extra)
+                      FRAG=frag, rows_out=rows_out, **extra, **zargs)
     return out
 
 

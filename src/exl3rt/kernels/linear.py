@@ -163,6 +163,17 @@ def use_halves(device: torch.device, cb: int) -> bool:
     return cb != 2 and _use_asm(device) and not env.KERNEL_ROUNDED_DECODE.get()
 
 
+def use_atomic(cfg: MmaConfig) -> bool:
+    """The mma GEMV adds its K splits into one fp32 buffer (``red.add``, zeroed by the pre-pass; the order of
+    the adds is not fixed) instead of writing a partial sum per split for the post-pass to add: with swapped
+    operands (1-8 rows, where the partials are many splits of few rows: 19-64 splits × 8 rows) unless
+    ``EXL3RT_KERNEL_DETERMINISTIC`` is set. H200, 2026-12-01, whole calls, 32 in one graph, three shapes, K 2-6:
+    rows 8 7-15 % faster (4096×14336 K4 22.6 vs 26.5 µs), rows 4 1-4 %, rows 1 0-5 % (BENCHMARKS.md); at 16 rows
+    (no swap: two scattered words per add) 10-15 % slower in a first trial, so not there.
+    """
+    return cfg.swap and not cfg.ksplit and not env.KERNEL_DETERMINISTIC.get()
+
+
 def _use_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch for the three launches of a call (sm_90+, Triton with grid
     dependency control and the ``launch_pdl`` option): each kernel lets the next one launch at its
@@ -256,9 +267,11 @@ def xfrag_rows(rows: int, cfg: MmaConfig) -> int:
 
 
 def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Optional[MmaConfig] = None, *,
-                rows: Optional[int] = None) -> torch.Tensor:
+                rows: Optional[int] = None, acc: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Split-K partials ``z[s] = x'·Q`` (fp32 ``[splits, rows, out_p]``) for fp16 x', by the warp-level mma
-    kernel (16·``row_blocks`` rows per program row-block). ``rows=None``: ``xh`` is x' ``[rows, in_p]``,
+    kernel (16·``row_blocks`` rows per program row-block); where :func:`use_atomic` the splits are added into
+    one buffer, ``[1, rows, out_p]``: ``acc`` if given (zeroed by the caller, e.g. by the pre-pass), else a
+    zeroed new one. ``rows=None``: ``xh`` is x' ``[rows, in_p]``,
     row-major; else ``xh`` is x' of ``rows`` rows in fragment order (:func:`hadamard.xfrag_offsets`,
     ``[xfrag_rows(rows, cfg), in_p]``, as the pre-pass writes it with ``frag``): one vector load per lane
     and k-tile instead of 2–4 scalar loads over 8 rows each."""
@@ -283,10 +296,19 @@ def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Opt
     unroll = cfg.unroll or _mm.default_unroll(bits, cfg.ksplit)
     splits, k_per = gemv_splits(in_tiles, n_blocks * m_blocks, cfg.target_programs,
                                 k_multiple=unroll * (warps if cfg.ksplit else 1))
-    z = torch.empty((splits, rows, tn * 16), dtype=torch.float32, device=xh.device)
+    atomic = use_atomic(cfg)
+    if atomic and acc is not None:
+        if acc.shape != (1, rows, tn * 16) or acc.dtype != torch.float32 or not acc.is_contiguous():
+            raise ValueError(f"mma_rotated: acc must be a contiguous fp32 [1, {rows}, {tn * 16}] tensor")
+        z = acc
+    elif atomic:
+        z = torch.zeros((1, rows, tn * 16), dtype=torch.float32, device=xh.device)
+    else:
+        z = torch.empty((splits, rows, tn * 16), dtype=torch.float32, device=xh.device)
     grid = (n_blocks, splits, m_blocks)
     stride_x = in_p * (4 if cfg.swap else 8) if xfrag else xh.stride(0)     # int32 per row block / fp16 per row
-    _mm._mma_kernel[grid](xh, trellis.view(torch.int32), z, rows, in_tiles, tn, k_per, stride_x, z.stride(0), 1,
+    _mm._mma_kernel[grid](xh, trellis.view(torch.int32), z, rows, in_tiles, tn, k_per, stride_x,
+                          0 if atomic else z.stride(0), 1, ATOMIC=atomic,
                           KA=ka, HALF=half, CB=cb, MULT=mult, ADD=add, NT=nt_warp, WARPS=warps,
                           NWL=_mm.words_per_lane(bits), ASM=_use_asm(xh.device),
                           KSPLIT=cfg.ksplit, MB=cfg.row_blocks, SWAP=cfg.swap, UNROLL=unroll, XFRAG=xfrag,
@@ -358,8 +380,9 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
         pdl = _use_pdl(x.device)
         cfg = mma_cfg or default_mma_config(rows, kbits)
         xf = torch.empty((xfrag_rows(rows, cfg), in_p), dtype=torch.float16, device=x.device)
-        _had(x, suh, xf, pre=True, pdl=pdl, frag=2 if cfg.swap else 1)
-        z = mma_rotated(xf, trellis, codebook, cfg, rows=rows)
+        acc = torch.empty((1, rows, out_p), dtype=torch.float32, device=x.device) if use_atomic(cfg) else None
+        _had(x, suh, xf, pre=True, pdl=pdl, frag=2 if cfg.swap else 1, zero=acc)   # (zeroes acc)
+        z = mma_rotated(xf, trellis, codebook, cfg, rows=rows, acc=acc)
         _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0), pdl=pdl)
         return y
     xh = torch.empty((rows, in_p), dtype=torch.float16, device=x.device)
@@ -435,6 +458,6 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Optional[Iterabl
 
 
 __all__ = ["exl3_linear", "gemv_rotated", "decode_fp16", "prewarm", "prewarm_rows", "GemvConfig", "DecodeConfig",
-           "MmaConfig", "mma_rotated", "xfrag_rows", "choose_path", "default_mma_config", "specialization",
+           "MmaConfig", "mma_rotated", "use_atomic", "xfrag_rows", "choose_path", "default_mma_config", "specialization",
            "PREWARM_ROWS", "WGMMA_PREWARM_ROWS", "WGMMA_MIN_ROWS", "WGMMA_MAX_ROWS", "MMA_MAX_ROWS",
            "GEMV_MAX_ROWS", "GEMV_DISPATCH_ROWS", "interpreting", "gemv_splits"]

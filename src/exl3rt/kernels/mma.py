@@ -281,9 +281,10 @@ if HAVE_TRITON:
                     ADD: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr,
                     ASM: tl.constexpr, KSPLIT: tl.constexpr, MB: tl.constexpr, SWAP: tl.constexpr,
                     PDL: tl.constexpr = False, UNROLL: tl.constexpr = 2, XFRAG: tl.constexpr = False,
-                    HALVES: tl.constexpr = False):
+                    HALVES: tl.constexpr = False, ATOMIC: tl.constexpr = False):
         """z[split, m, n] = Σ_{k in split} x'[m, k]·Q[k, n] for 16·MB rows (8 with SWAP; pid 2), NT·WARPS
-        n-tiles (NT with KSPLIT: the warps split the k-tiles), one K-split."""
+        n-tiles (NT with KSPLIT: the warps split the k-tiles), one K-split. ``ATOMIC`` (not with KSPLIT; the host
+        passes ``stride_zs = 0``): every split adds into the one zeroed buffer ``z[0]`` (fp32 ``red.add``)."""
         # PDL: no early trigger here — the post-pass's programs would sit on SMs waiting for this grid
         # (measured: rows 4-16 slower); they launch when this grid exits, then wait for its writes
         pid_n = tl.program_id(0)
@@ -293,7 +294,7 @@ if HAVE_TRITON:
         a1 = tl.minimum(a0 + k_per, in_tiles)
         _mma_pass(x_ptr, w_ptr, z_ptr + pid_k * stride_zs, rows, pid_m * (8 if SWAP else 16) * MB, a0, a1, pid_n,
                   tn_total, stride_x, one, KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, KSPLIT, MB, SWAP, PDL, UNROLL,
-                  XFRAG, False, HALVES)
+                  XFRAG, False, HALVES, ATOMIC)
 
     @triton.jit
     def _mma_pass(x_ptr, w_ptr, zrow, rows, m0, a0, a1, pid_n, tn_total, stride_x, one,
@@ -301,7 +302,8 @@ if HAVE_TRITON:
                   ADD: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr,
                   ASM: tl.constexpr, KSPLIT: tl.constexpr = False, MB: tl.constexpr = 1,
                   SWAP: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 2,
-                  XFRAG: tl.constexpr = False, SKIP: tl.constexpr = False, HALVES: tl.constexpr = False):
+                  XFRAG: tl.constexpr = False, SKIP: tl.constexpr = False, HALVES: tl.constexpr = False,
+                  ATOMIC: tl.constexpr = False):
         """Rows ``m0 .. m0 + 16·MB − 1`` (those < ``rows``; MB 16-row blocks share each decoded tile) of ``z = x'·Q[a0·16 : a1·16, :]`` for the n-tiles of
         ``pid_n``, stored at ``zrow`` (``[rows, out_p]`` fp32); ``w_ptr`` points at Q's first tile.
 
@@ -324,7 +326,8 @@ if HAVE_TRITON:
         normalizing shifts (:func:`_halves_for`), each weight enters the mma as its two unrounded fp16 halves (two
         mma per tile, x' duplicated; docs/kernels.md). ``SKIP`` (MB > 1,
         fragment order): 16-row blocks with no row below ``rows`` load no x' and run no mma (the MoE's route
-        blocks, whose padding slots fill whole 16-row blocks of a 32/64-route block).
+        blocks, whose padding slots fill whole 16-row blocks of a 32/64-route block). ``ATOMIC`` (not with KSPLIT):
+        the results are added to ``zrow`` (``red.add.f32``) instead of stored.
         """
         RB: tl.constexpr = 8 if SWAP else 16                       # rows per row block
         HV: tl.constexpr = _halves_for(HALVES, SWAP, KA, HALF)  # this K takes the unrounded halves
@@ -445,10 +448,16 @@ if HAVE_TRITON:
                 for s_ in tl.static_range(NT):
                     pz = zrow + rw * out_p + (tile0 + s_ * TSTRIDE) * 16 + g
                     d = acc[s_][0]
-                    tl.store(pz, d[0], mask=m_a)
-                    tl.store(pz + out_p, d[1], mask=m_b)
-                    tl.store(pz + 8, d[2], mask=m_a)
-                    tl.store(pz + out_p + 8, d[3], mask=m_b)
+                    if ATOMIC:
+                        tl.atomic_add(pz, d[0], mask=m_a, sem="relaxed")
+                        tl.atomic_add(pz + out_p, d[1], mask=m_b, sem="relaxed")
+                        tl.atomic_add(pz + 8, d[2], mask=m_a, sem="relaxed")
+                        tl.atomic_add(pz + out_p + 8, d[3], mask=m_b, sem="relaxed")
+                    else:
+                        tl.store(pz, d[0], mask=m_a)
+                        tl.store(pz + out_p, d[1], mask=m_b)
+                        tl.store(pz + 8, d[2], mask=m_a)
+                        tl.store(pz + out_p + 8, d[3], mask=m_b)
             elif KSPLIT:
                 # sum the warps' accumulators; the [32] result is stored by lane index l (any layout)
                 l32 = tl.arange(0, 32)
@@ -476,14 +485,24 @@ if HAVE_TRITON:
                         plo = zrow + (ra + 16 * b) * out_p + col
                         phi = plo + 8 * out_p
                         d = acc[s_][b]
-                        tl.store(plo, d[0], mask=mlo[b])
-                        tl.store(plo + 1, d[1], mask=mlo[b])
-                        tl.store(phi, d[2], mask=mhi[b])
-                        tl.store(phi + 1, d[3], mask=mhi[b])
-                        tl.store(plo + 8, d[4], mask=mlo[b])
-                        tl.store(plo + 9, d[5], mask=mlo[b])
-                        tl.store(phi + 8, d[6], mask=mhi[b])
-                        tl.store(phi + 9, d[7], mask=mhi[b])
+                        if ATOMIC:
+                            tl.atomic_add(plo, d[0], mask=mlo[b], sem="relaxed")
+                            tl.atomic_add(plo + 1, d[1], mask=mlo[b], sem="relaxed")
+                            tl.atomic_add(phi, d[2], mask=mhi[b], sem="relaxed")
+                            tl.atomic_add(phi + 1, d[3], mask=mhi[b], sem="relaxed")
+                            tl.atomic_add(plo + 8, d[4], mask=mlo[b], sem="relaxed")
+                            tl.atomic_add(plo + 9, d[5], mask=mlo[b], sem="relaxed")
+                            tl.atomic_add(phi + 8, d[6], mask=mhi[b], sem="relaxed")
+                            tl.atomic_add(phi + 9, d[7], mask=mhi[b], sem="relaxed")
+                        else:
+                            tl.store(plo, d[0], mask=mlo[b])
+                            tl.store(plo + 1, d[1], mask=mlo[b])
+                            tl.store(phi, d[2], mask=mhi[b])
+                            tl.store(phi + 1, d[3], mask=mhi[b])
+                            tl.store(plo + 8, d[4], mask=mlo[b])
+                            tl.store(plo + 9, d[5], mask=mlo[b])
+                            tl.store(phi + 8, d[6], mask=mhi[b])
+                            tl.store(phi + 9, d[7], mask=mhi[b])
         else:
             cg = tl.arange(0, 8)
             if KSPLIT:
@@ -497,8 +516,12 @@ if HAVE_TRITON:
                 for s_ in tl.static_range(NT):
                     col = ((pid_n * NT + s_) * WARPS + wi)[:, None] * 16 + cg[None, :]      # [WARPS, 8]
                     pz = zrow + mm[:, None, None] * out_p + col[None, :, :]
-                    tl.store(pz, acc[s_][0], mask=mmask[:, None, None])
-                    tl.store(pz + 8, acc[s_][1], mask=mmask[:, None, None])
+                    if ATOMIC:
+                        tl.atomic_add(pz, acc[s_][0], mask=mmask[:, None, None], sem="relaxed")
+                        tl.atomic_add(pz + 8, acc[s_][1], mask=mmask[:, None, None], sem="relaxed")
+                    else:
+                        tl.store(pz, acc[s_][0], mask=mmask[:, None, None])
+                        tl.store(pz + 8, acc[s_][1], mask=mmask[:, None, None])
 
     @triton.jit
     def _lane_states(raw, rsh, KA: tl.constexpr, HALF: tl.constexpr, NWL: tl.constexpr):
