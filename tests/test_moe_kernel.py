@@ -282,6 +282,40 @@ def test_padding_slots_skipped_bit_for_bit(monkeypatch):
     assert _rel(y, _loop(x, ids, wts, experts)) < 2e-3
 
 
+def test_decode_plan_adds_its_splits_into_one_buffer(monkeypatch):
+    """Route blocks of 8 (the decode plan): both tiered launches add their K splits into one buffer, whose live
+    rows the pre-pass (gate/up) and the mid-pass (down) zero in ``torch.empty`` memory full of NaN; the layer
+    equals the per-split partials of ``EXL3RT_KERNEL_DETERMINISTIC=1`` (fp32 order only) and the float64 loop."""
+    from exl3rt.kernels import moe as km
+    monkeypatch.setattr(km, "MIN_SPLIT_K_TILES", 2)          # several K splits on 128-wide experts
+    shapes = []
+    real = km.tiered_partials
+
+    def spy(*a, **kw):
+        z = real(*a, **kw)
+        shapes.append((kw.get("atomic"), tuple(z.shape)))
+        return z
+    monkeypatch.setattr(km, "tiered_partials", spy)
+    bits = (3, 4, 3)
+    experts = _experts(bits, seed=11)
+    w = MoEWeights.from_experts(tiers_from_bitrates(list(bits)), experts)
+    x, ids, wts = _inputs(3, len(bits), 2, seed=8)
+    _garbage_empty(monkeypatch)
+    y = exl3_moe(x, ids, wts, w, block_m=8, nt=1, num_warps=8, target_programs=4096)
+    monkeypatch.setenv("EXL3RT_KERNEL_DETERMINISTIC", "1")
+    y_det = exl3_moe(x, ids, wts, w, block_m=8, nt=1, num_warps=8, target_programs=4096)
+    assert [a for a, _ in shapes] == [True, True, False, False]
+    assert shapes[0][1][:2] == (2, 1) and shapes[1][1][:2] == (1, 1)          # gate+up, down: one buffer each
+    assert shapes[2][1][1] > 1 and shapes[3][1][1] > 1                         # the partials: several splits
+    assert _rel(y, y_det.double().cpu()) < 1e-5
+    assert _rel(y, _loop(x, ids, wts, experts)) < 2e-3
+    pack = pack_routes(ids, len(bits), 8)
+    xs = torch.zeros(pack.capacity, 128, dtype=torch.float16, device=DEV)
+    with pytest.raises(ValueError, match="acc must be"):
+        real(xs, w.up, pack.block_experts, pack.num_padded, w.descriptors, w.shift, 8, "mcg", atomic=True,
+             acc=torch.zeros(1, 2, pack.capacity, 128, device=DEV))
+
+
 def test_fragment_order_needs_whole_row_blocks():
     tr = torch.zeros(1, 8, 8, words16_per_tile(3), dtype=torch.int16, device=DEV)
     pack = pack_routes(torch.zeros(1, 1, dtype=torch.int64, device=DEV), 1, 4)

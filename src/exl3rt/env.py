@@ -116,9 +116,9 @@ KERNEL_ROUNDED_DECODE: EnvVar[bool] = EnvVar(
 
 KERNEL_DETERMINISTIC: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_DETERMINISTIC", False, _flag,
-    "1: the 1-8-row GEMV kernels of the linear layers write one partial sum per K split and a second pass adds them "
-    "in a fixed order (bit-identical results from run to run; default: the splits add into one fp32 buffer with "
-    "atomic adds, whose order varies, and the second pass reads only that buffer: faster at 2-8 rows)")
+    "1: the 1-8-row GEMV kernels (linear layers, the MoE decode plan) write one partial sum per K split and the "
+    "next pass adds them in a fixed order (bit-identical results from run to run; default: the splits add into one "
+    "fp32 buffer with atomic adds, whose order varies, and the next pass reads only that buffer: faster at 2-8 rows)")
 
 KERNEL_NO_WGMMA: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_NO_WGMMA", False, _flag,

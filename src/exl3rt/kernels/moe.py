@@ -34,6 +34,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .. import env
 from ..format.bits import bits_from_trellis
 from ..format.hadamard import hadamard_blocks
 from ..moe.routing import ID_DTYPES, RoutePack, pack_routes, route_capacity
@@ -65,14 +66,15 @@ if HAVE_TRITON:
     def _tier_pass(x_ptr, w_ptr, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
                    KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr,
                    NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr, ASM: tl.constexpr,
-                   SWAP: tl.constexpr, XFRAG: tl.constexpr, MB: tl.constexpr, HALVES: tl.constexpr = False):
+                   SWAP: tl.constexpr, XFRAG: tl.constexpr, MB: tl.constexpr, HALVES: tl.constexpr = False,
+                   ATOMIC: tl.constexpr = False):
         """One pass of 16·MB routes (8 with SWAP; MB 16-row blocks share each decoded tile) of one tier:
         expert ``local`` of the tier's stacked trellis at ``w_ptr``; 16-row blocks past ``lim`` (padding
         slots only) load no x' and run no mma."""
         estride = k_tiles * n_tiles * (8 * KA + 4 * HALF)          # int32 words per expert
         _mma_pass(x_ptr, w_ptr + local * estride, z_ptr, lim, m0, a0, a1, pid_n, n_tiles, stride_x, one,
                   KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, False, MB, SWAP, False, _unroll_for(KA, HALF),
-                  XFRAG, MB > 1, HALVES)
+                  XFRAG, MB > 1, HALVES, ATOMIC)
 
     # k_per follows from the row count (the split-K target counts route blocks): no specialization on it,
     # or a prewarm at one row count would not cover another
@@ -88,7 +90,7 @@ if HAVE_TRITON:
                         CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr, NT: tl.constexpr,
                         WARPS: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr, NPROJ: tl.constexpr,
                         XFRAG: tl.constexpr = False, MB: tl.constexpr = 1, REAL: tl.constexpr = False,
-                        HALVES: tl.constexpr = False):
+                        HALVES: tl.constexpr = False, ATOMIC: tl.constexpr = False):
         """z[slot, :] = x'[slot, :]·Q_e for the BLOCK_M slots of route block ``program_id(1)``
         (expert e = blk[j]), the n-tiles of ``program_id(0)``, K-split ``program_id(2)`` (partials
         ``z[split]``); blocks past ``npad / BLOCK_M`` exit. NPROJ = 2: two projections of the same
@@ -97,7 +99,8 @@ if HAVE_TRITON:
         order (``stride_x`` then int32 words per row block; route blocks are whole row blocks). ``MB``: 16-row
         blocks per pass sharing each decoded tile (``BLOCK_M`` a multiple of 16·MB). ``REAL``: the block's live
         routes are counted in ``routes_ptr`` (sorted routes, padding ``>= numel``, at the tail of the block):
-        rows past them are neither loaded nor stored, and 16-row blocks of padding only run no mma."""
+        rows past them are neither loaded nor stored, and 16-row blocks of padding only run no mma. ``ATOMIC``
+        (``stride_zs = 0``): every K split adds into ``z[…, 0]`` (``red.add``) instead of storing its partials."""
         pid_n = tl.program_id(0)
         j = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -130,22 +133,22 @@ if HAVE_TRITON:
                 if tier == 0:
                     _tier_pass(x_ptr, w0, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
                                K0A, K0H, CB, MULT, ADD, NT, WARPS, N0, ASM, BLOCK_M <= 8, XFRAG, MB,
-                               HALVES)
+                               HALVES, ATOMIC)
                 if NTIERS > 1:
                     if tier == 1:
                         _tier_pass(x_ptr, w1, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
                                    K1A, K1H, CB, MULT, ADD, NT, WARPS, N1, ASM, BLOCK_M <= 8, XFRAG, MB,
-                                   HALVES)
+                                   HALVES, ATOMIC)
                 if NTIERS > 2:
                     if tier == 2:
                         _tier_pass(x_ptr, w2, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
                                    K2A, K2H, CB, MULT, ADD, NT, WARPS, N2, ASM, BLOCK_M <= 8, XFRAG, MB,
-                                   HALVES)
+                                   HALVES, ATOMIC)
                 if NTIERS > 3:
                     if tier == 3:
                         _tier_pass(x_ptr, w3, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
                                    K3A, K3H, CB, MULT, ADD, NT, WARPS, N3, ASM, BLOCK_M <= 8, XFRAG, MB,
-                                   HALVES)
+                                   HALVES, ATOMIC)
 
 
 def default_target_programs(device: torch.device) -> int:
@@ -199,7 +202,8 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
                     num_padded: torch.Tensor, descriptors: torch.Tensor, shift: int, block_m: int, codebook: str,
                     *, second: Optional[Sequence[torch.Tensor]] = None, nt: Optional[int] = None, num_warps: int = 1,
                     target_programs: Optional[int] = None, zero: bool = True, xfrag: bool = False,
-                    routes: Optional[tuple[torch.Tensor, int]] = None) -> torch.Tensor:
+                    routes: Optional[tuple[torch.Tensor, int]] = None, atomic: bool = False,
+                    acc: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One tiered launch; returns the split-K partials ``z [P, splits, slots, out_p]`` (fp32) of
     ``xs[slot]·Q_{e(slot)}``. ``P = 1``, or 2 with ``second`` (a second projection of the same geometry
     and tier order, e.g. up next to gate, in the same launch): ``xs`` is then ``[slots, in_p]`` (both read
@@ -212,7 +216,9 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     :data:`MIN_SPLIT_K_TILES` k-tiles; no split in the CPU interpreter, where programs are what costs).
     ``xfrag``: ``xs`` is in the mma's fragment
     order (:func:`frag_blocks`; route blocks of 8 or a multiple of 16), not row-major. Route blocks of 32/64
-    run passes in which 2/4 16-row blocks share each decoded tile (:func:`pass_row_blocks`)."""
+    run passes in which 2/4 16-row blocks share each decoded tile (:func:`pass_row_blocks`). ``atomic``: the K
+    splits add into one buffer, ``z [P, 1, slots, out_p]`` (``red.add``; with ``zero=False`` the caller zeroes
+    the rows it will read before the launch; ``acc``: that buffer, given)."""
     name = "grouped_gemv"
     nproj = 1 if second is None else 2
     in_p = xs.shape[-1]
@@ -237,7 +243,13 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     splits, k_per = gemv_splits(k_tiles, nproj * n_blocks * max_blocks, target_programs,
                                 k_multiple=max(_mm.default_unroll(b) for b in tier_bits), min_k=MIN_SPLIT_K_TILES)
     alloc = torch.zeros if zero else torch.empty
-    z = alloc((nproj, splits, slots, n_tiles * 16), dtype=torch.float32, device=xs.device)
+    shape = (nproj, 1 if atomic else splits, slots, n_tiles * 16)
+    if acc is not None:
+        if not atomic or tuple(acc.shape) != shape or acc.dtype != torch.float32 or not acc.is_contiguous():
+            raise ValueError(f"{name}: acc must be a contiguous fp32 {list(shape)} tensor, with atomic=True")
+        z = acc
+    else:
+        z = alloc(shape, dtype=torch.float32, device=xs.device)
     cb, mult, add = _cb_args(codebook)
     ks = [_kernel_bits(b) for b in tier_bits] + [(1, 0)] * (MAX_TIERS - len(tier_bits))
     nwl = [_mm.words_per_lane(b) for b in tier_bits] + [2] * (MAX_TIERS - len(tier_bits))
@@ -246,7 +258,8 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     real = routes is not None
     routes_t, numel = routes if real else (block_experts, 0)
     _moe_mma_kernel[grid](xs, z, block_experts, descriptors, num_padded, routes_t, numel, *ws, *vs, slots, k_tiles,
-                          n_tiles, k_per, stride_x, z.stride(1), 1, n_blocks, stride_xp, z.stride(0), SHIFT=shift,
+                          n_tiles, k_per, stride_x, 0 if atomic else z.stride(1), 1, n_blocks, stride_xp, z.stride(0),
+                          SHIFT=shift, ATOMIC=atomic,
                           NTIERS=len(tier_trellis),
                           K0A=ks[0][0], K0H=ks[0][1], N0=nwl[0], K1A=ks[1][0], K1H=ks[1][1], N1=nwl[1],
                           K2A=ks[2][0], K2H=ks[2][1], N2=nwl[2], K3A=ks[3][0], K3H=ks[3][1], N3=nwl[3],
@@ -389,7 +402,10 @@ class GlueLaunch:
     block allows it, :func:`frag_blocks`); ``skip_padding``: the tiered launches count each route block's live
     routes and leave its padding slots out (no x' loads, no stores, no mma for 16-row blocks of padding only);
     ``wgmma``: route blocks of 64/128 run on the Hopper wgmma tiered launch where it is available
-    (:mod:`exl3rt.kernels.moe_wgmma`; x'/h' then row-major, ``frag`` and ``skip_padding`` do not apply).
+    (:mod:`exl3rt.kernels.moe_wgmma`; x'/h' then row-major, ``frag`` and ``skip_padding`` do not apply);
+    ``atomic``: with route blocks of 8 (the decode plan) the tiered launches add their K splits into one buffer
+    whose live rows the pass before zeroes (pre: gate/up, mid: down), and mid/post read one split
+    (``EXL3RT_KERNEL_DETERMINISTIC=1`` turns it off).
     :func:`default_glue` gives the measured defaults; a tuning override of :func:`exl3_moe`."""
 
     pre_rows: int = 4
@@ -402,6 +418,7 @@ class GlueLaunch:
     frag: bool = False
     skip_padding: bool = True
     wgmma: bool = True
+    atomic: bool = True
 
 
 def default_glue(block_m: int) -> GlueLaunch:
@@ -418,7 +435,8 @@ def default_glue(block_m: int) -> GlueLaunch:
     one split per load with 2 warps (8 splits per load in one warp spilled: 255 registers for a token's 8
     routes × 8 splits × 128 columns): best of 12 shapes at one row in a same-run sweep (I 2048 123.4 µs, I 512
     52.0; the old shape 125–126.5 and 54.2–54.4 in the session's other runs), 8 and 32 rows within noise; a
-    later separate run 125.6 / 55 µs, inside the old shape's spread (H200, 2026-12-01)."""
+    later separate run 125.6 / 55 µs, inside the old shape's spread (H200, 2026-12-01). ``atomic`` (route blocks of
+    8; twelfth session): one token 1-1.5 % faster, 8-32 rows unchanged (K is not split there)."""
     if block_m <= 8:
         return GlueLaunch(mid_rows=1, mid_splits=16, frag=True, post_splits=1, post_warps=2)
     return GlueLaunch(frag=pass_row_blocks(block_m) > 1)
@@ -449,39 +467,47 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     pos = torch.empty(max(numel, 1), dtype=torch.int32, device=dev)
     use_wg = glue.wgmma and _mwg.applies(dev, block_m)
     frag = frag_blocks(block_m) if glue.frag and not use_wg else 0
+    # 8-route blocks: the K splits add into one buffer per launch, whose live rows the pass before zeroes
+    atomic = glue.atomic and block_m <= 8 and not use_wg and not env.KERNEL_DETERMINISTIC.get()
+    nproj = 2 if gated else 1
+    zgu = torch.empty((nproj, 1, slots, I), dtype=torch.float32, device=dev) if atomic else None
+    zz = {"zz_ptr": zgu, "zz_n": I, "zz_pstride": slots * I, "ZNP": nproj} if atomic else {}
     # row blocks and split loads are fixed (never a function of T): one specialization per layer geometry,
     # so a prewarm at any row count covers every T
     br = glue.pre_rows
     _moe_pre_kernel[(triton.cdiv(slots, br), H // 128)](
         x, pack.sorted_routes, pack.block_experts, pack.num_padded, up_suh, gate_suh, xs, pos,
         slots, numel, k, H, x.stride(0), _row_stride(up_suh), _row_stride(gate_suh), slots * H, int(two),
-        BR=br, BLOCK_M=block_m, FRAG=frag, num_warps=glue.pre_warps)
+        BR=br, BLOCK_M=block_m, FRAG=frag, num_warps=glue.pre_warps, **zz)
 
     common = (pack.block_experts, pack.num_padded, w.descriptors, w.shift, block_m, w.codebook)
     tiered = dict(nt=nt, num_warps=num_warps, target_programs=target_programs, zero=False, xfrag=frag > 0,
-                  routes=(pack.sorted_routes, numel) if glue.skip_padding else None)
+                  routes=(pack.sorted_routes, numel) if glue.skip_padding else None, atomic=atomic)
 
-    def launch(xin: torch.Tensor, tiers: list[torch.Tensor], second: Optional[list[torch.Tensor]] = None):
+    def launch(xin: torch.Tensor, tiers: list[torch.Tensor], second: Optional[list[torch.Tensor]] = None,
+               acc: Optional[torch.Tensor] = None):
         if use_wg:
             return _mwg.tiered_partials_wgmma(xin, tiers, *common, second=second)
-        return tiered_partials(xin, tiers, *common, second=second, **tiered)
+        return tiered_partials(xin, tiers, *common, second=second, acc=acc, **tiered)
 
     if gated:   # gate and up in one launch: partials zgu[0] gate, zgu[1] up
-        zgu = launch(xs if two else xs[0], w.gate, w.up)
+        zgu = launch(xs if two else xs[0], w.gate, w.up, acc=zgu)
     else:
-        zgu = launch(xs[0], w.up)
+        zgu = launch(xs[0], w.up, acc=zgu)
     splits = int(zgu.shape[1])
     up_svh = w.up_svh.contiguous()
     gate_svh = w.gate_svh.contiguous() if gated else up_svh
     down_suh = w.down_suh.contiguous()
     hs = torch.empty((slots, I), dtype=torch.float16, device=dev)
+    zd = torch.empty((1, 1, slots, H), dtype=torch.float32, device=dev) if atomic else None
     brm = glue.mid_rows
     _moe_mid_kernel[(triton.cdiv(slots, brm), I // 128)](
         zgu, pack.sorted_routes, pack.block_experts, pack.num_padded, gate_svh, up_svh, down_suh, hs, slots, numel,
         I, splits, zgu.stride(1), zgu.stride(0), _row_stride(gate_svh), _row_stride(up_svh), _row_stride(down_suh),
-        GATED=gated, BR=brm, SB=glue.mid_splits, BLOCK_M=block_m, FRAG=frag, num_warps=glue.mid_warps)
+        GATED=gated, BR=brm, SB=1 if atomic else glue.mid_splits, BLOCK_M=block_m, FRAG=frag,
+        num_warps=glue.mid_warps, **({"zz_ptr": zd, "zz_n": H, "ZERO_D": True} if atomic else {}))
 
-    zd = launch(hs, w.down)[0]
+    zd = launch(hs, w.down, acc=zd)[0]
     splits = int(zd.shape[0])
     down_svh = w.down_svh.contiguous()
     wts = topk_weights.reshape(-1)

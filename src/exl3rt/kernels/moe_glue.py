@@ -107,17 +107,31 @@ if HAVE_TRITON:
             return _xfrag_offsets(s.to(tl.int64)[:, None], c[None, :], n * (4 if FRAG == 2 else 8), FRAG == 2)
         return s.to(tl.int64)[:, None] * n + c[None, :]
 
+    @triton.jit
+    def _zero_rows(z_ptr, s, live, n, pstride, NP: tl.constexpr, BR: tl.constexpr):
+        """z[p, s, :] = 0 for the live slots ``s`` (``[BR]``) of NP projections (rows of ``n``, projections
+        ``pstride`` apart), the 128-blocks shared out over the programs of grid axis 1."""
+        nb = n // 128
+        zc = tl.arange(0, 128)
+        for blk in range(tl.program_id(1), NP * nb, tl.num_programs(1)):
+            pz = (z_ptr + (blk // nb).to(tl.int64) * pstride + s.to(tl.int64)[:, None] * n + (blk % nb) * 128
+                  + zc[None, :])
+            tl.store(pz, tl.zeros([BR, 128], tl.float32), mask=live[:, None])
+
     @triton.jit(do_not_specialize=["slots", "numel", "k", "stride_x", "two"])
     def _moe_pre_kernel(x_ptr, routes_ptr, blk_ptr, npad_ptr, su_ptr, sg_ptr, xs_ptr, pos_ptr,
                         slots, numel, k, H, stride_x, su_se, sg_se, stride_xsp, two,
-                        BR: tl.constexpr, BLOCK_M: tl.constexpr, FRAG: tl.constexpr = 0):
+                        BR: tl.constexpr, BLOCK_M: tl.constexpr, FRAG: tl.constexpr = 0,
+                        zz_ptr=None, zz_n=0, zz_pstride=0, ZNP: tl.constexpr = 0):
         """Slots ``program_id(0)·BR …``, columns ``program_id(1)·128 …``: x' = (x[tok] ⊙ suh[e])·H, zero
         for the padding slots of a program with a live slot (a program of padding slots only writes nothing:
         a row of x' only reaches its own row of the partials, which no pass reads; nothing past
         ``num_padded``); pos[r] = slot. ``two`` = 1: x'_gate at ``xs``,
         x'_up at ``xs + stride_xsp`` (the order of the gate+up launch's projections); 0: x'_up (shared
         with gate) at ``xs``. ``two`` is a runtime value, not a specialization: one compiled kernel (and
-        one prewarm) serves both. ``FRAG``: x' in the tiered launch's fragment order (:func:`_slot_offsets`)."""
+        one prewarm) serves both. ``FRAG``: x' in the tiered launch's fragment order (:func:`_slot_offsets`).
+        ``ZNP`` > 0: also zero the live slots' rows of the gate+up launch's accumulation buffer
+        (``zz [ZNP, slots, zz_n]``, projections ``zz_pstride`` apart)."""
         s, c, smask = _slot_block(npad_ptr, slots, BR)
         r = tl.load(routes_ptr + s, mask=smask, other=numel)
         live = smask & (r < numel)
@@ -136,16 +150,19 @@ if HAVE_TRITON:
                 tl.store(xs_ptr + so, yg.to(tl.float16), mask=smask[:, None])
             if tl.program_id(1) == 0:
                 tl.store(pos_ptr + tl.where(live, r, 0), s, mask=live)
+            if ZNP > 0:
+                _zero_rows(zz_ptr, s, live, zz_n, zz_pstride, ZNP, BR)
 
     @triton.jit(do_not_specialize=["slots", "splits", "numel"])
     def _moe_mid_kernel(z_ptr, routes_ptr, blk_ptr, npad_ptr, gsv_ptr, usv_ptr, dsu_ptr, h_ptr,
                         slots, numel, I, splits, stride_zs, stride_zp, g_se, u_se, d_se,
                         GATED: tl.constexpr, BR: tl.constexpr, SB: tl.constexpr, BLOCK_M: tl.constexpr,
-                        FRAG: tl.constexpr = 0):
+                        FRAG: tl.constexpr = 0, zz_ptr=None, zz_n=0, ZERO_D: tl.constexpr = False):
         """h'[s, cols] = ((silu(g)·u) ⊙ down_suh[e])·H (ungated: silu(u)), g/u = (Σ_split z)·H ⊙ svh[e];
         padding slots get zero rows without reading their partials (none in a program of padding slots only,
         see the pre-pass), nothing past ``num_padded``. ``FRAG``:
-        h' in the down launch's fragment order (:func:`_slot_offsets`)."""
+        h' in the down launch's fragment order (:func:`_slot_offsets`). ``ZERO_D``: also zero the live slots' rows
+        of the down launch's accumulation buffer (``zz [slots, zz_n]``)."""
         s, c, smask = _slot_block(npad_ptr, slots, BR)
         live = smask & (tl.load(routes_ptr + s, mask=smask, other=numel) < numel)
         if tl.max(live.to(tl.int32), axis=0) > 0:      # padding-only programs write nothing
@@ -167,6 +184,8 @@ if HAVE_TRITON:
             dsu = tl.load(dsu_ptr + e[:, None] * d_se + c[None, :], mask=m2, other=0.0).to(tl.float32)
             hd = _fwht128(h * (dsu * HAD_SCALE_C), BR)
             tl.store(h_ptr + _slot_offsets(s, c, I, FRAG), hd.to(tl.float16), mask=smask[:, None])
+            if ZERO_D:
+                _zero_rows(zz_ptr, s, live, zz_n, 0, 1, BR)
 
     @triton.jit(do_not_specialize=["numel", "splits", "cap"])
     def _moe_post_kernel(z_ptr, routes_ptr, pos_ptr, blk_ptr, w_ptr, sv_ptr, y_ptr,
