@@ -64,6 +64,36 @@ def sass_of(cubin: bytes) -> Optional[str]:
         return subprocess.run([tool, "-c", f.name], capture_output=True, text=True).stdout
 
 
+_BUILD_TRITON = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+spec = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(spec["module"]), spec["name"])
+types = {**spec["args"], **{k: "constexpr" for k in spec["constexprs"]}}
+sig = {n: types[n] for n in fn.arg_names if n in types}
+k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=spec["constexprs"]),
+                   target=GPUTarget("cuda", 90, 32), options=spec["options"])
+sys.stdout.buffer.write(k.asm["cubin"])
+"""
+
+
+def build_sm90_triton(module: str, name: str, args: dict, constexprs: dict, **options) -> Optional[str]:
+    """Compile the Triton kernel ``module.name`` for sm_90 with this machine's Triton (no GPU needed) and return
+    its SASS (None without nvdisasm); ``args`` maps its runtime arguments to Triton type strings. The build runs
+    in a fresh process without ``TRITON_INTERPRET`` (under the interpreter ``@triton.jit`` gives functions that
+    cannot be compiled)."""
+    import json
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    spec = json.dumps({"module": module, "name": name, "args": args, "constexprs": constexprs, "options": options})
+    out = subprocess.run([sys.executable, "-c", _BUILD_TRITON, spec], capture_output=True, env=env, timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"sm_90 build of {module}.{name} failed: {out.stderr.decode()[-2000:]}")
+    return sass_of(out.stdout)
+
+
 def build_sm90(fn, block_rows: int, args: dict, constexprs: dict, **options) -> Optional[str]:
     """Compile the Gluon kernel ``fn`` for sm_90 with this machine's Triton (no GPU needed) and return its SASS
     (None without nvdisasm). Its first argument is a TMA descriptor of fp16 x' in ``[block_rows, 64]`` boxes;

@@ -169,6 +169,29 @@ def test_swapped_mma_adds_its_splits_into_one_buffer(codebook, bits, rows, monke
     assert _rel(ys[1], ys[0].double().cpu()) < 1e-6
 
 
+@pytest.mark.parametrize("atomic", [False, True])
+def test_swapped_mma_sm90_build_adds_or_stores(atomic):
+    """The swapped kernel built for sm_90 (no GPU needed): with ``ATOMIC`` its results leave as ``red.add.f32``
+    (REDG, fire-and-forget: no returned value, no compare-and-swap loop) and nothing is stored; without, plain
+    stores (4 per tile either way)."""
+    from sass_check import build_sm90_triton
+    from exl3rt.kernels import mma as _mm
+    cb, mult, add = kl._cb_args("mcg")
+    args = {"x_ptr": "*fp16", "w_ptr": "*i32", "z_ptr": "*fp32", "rows": "i32", "in_tiles": "i32", "tn_total": "i32",
+            "k_per": "i32", "stride_x": "i32", "stride_zs": "i32", "one": "i32"}
+    const = dict(KA=3, HALF=0, CB=cb, MULT=mult, ADD=add, NT=4, WARPS=1, NWL=_mm.words_per_lane(3), ASM=True,
+                 KSPLIT=False, MB=1, SWAP=True, PDL=False, UNROLL=_mm.default_unroll(3), XFRAG=True, HALVES=True,
+                 ATOMIC=atomic)
+    sass = build_sm90_triton("exl3rt.kernels.mma", "_mma_kernel", args, const, num_warps=1)
+    if sass is None:
+        pytest.skip("this Triton ships no nvdisasm")
+    ops = [ln for ln in sass.splitlines() if "/*" in ln]
+    red = [ln for ln in ops if "REDG.E.ADD.F32" in ln]
+    assert len(red) == (16 if atomic else 0)
+    assert sum(" STG" in ln for ln in ops) == (0 if atomic else 16)
+    assert not any("ATOMG" in ln or "ATOM." in ln for ln in ops)
+
+
 def test_pre_pass_zeroes_the_accumulation_buffer():
     """``had(..., zero=buf)`` (pre-pass) writes zeros over every element of ``buf`` — more elements than the
     launch has programs, a count that is no multiple of them — and x' as without it; a non-fp32 buffer or a

@@ -103,12 +103,16 @@ if HAVE_TRITON:
         the position's codebook value before its fp16 rounding (``lane_decode_ptx(..., halves=True)``)."""
         TEXT: tl.constexpr = _ptx_text(KA, HALF, CB, MULT, ADD, _LANE_PTX_KEY, True)
         CONS: tl.constexpr = _ptx_constraints(KA, HALF, CB, MULT, ADD, True)
-        T8: tl.constexpr = (tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32)
+        # (the dtype tuple written out at each call: Triton 3.9 turns a constexpr-bound tuple's dtypes into
+        # constexprs, which inline_asm_elementwise cannot lower)
         if NWL == 2:
-            r = tl.inline_asm_elementwise(TEXT, CONS, [raw[0], raw[1], rsh, xorc], dtype=T8, is_pure=True, pack=1)
+            r = tl.inline_asm_elementwise(TEXT, CONS, [raw[0], raw[1], rsh, xorc],
+                                          dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
+                                                 tl.int32), is_pure=True, pack=1)
         else:
-            r = tl.inline_asm_elementwise(TEXT, CONS, [raw[0], raw[1], raw[2], rsh, xorc], dtype=T8, is_pure=True,
-                                          pack=1)
+            r = tl.inline_asm_elementwise(TEXT, CONS, [raw[0], raw[1], raw[2], rsh, xorc],
+                                          dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
+                                                 tl.int32), is_pure=True, pack=1)
         return r
 
     @triton.jit
@@ -136,6 +140,14 @@ if HAVE_TRITON:
             "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
             "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+    @triton.jit
+    def _put(ptr, v, mask, ATOMIC: tl.constexpr):
+        """Store ``v`` at ``ptr`` where ``mask``, or (ATOMIC) add it there (``red.add.f32``, any order)."""
+        if ATOMIC:
+            tl.atomic_add(ptr, v, mask=mask, sem="relaxed")
+        else:
+            tl.store(ptr, v, mask=mask)
 
     @triton.jit
     def _load_words(wbase, off, NT: tl.constexpr, STRIDE: tl.constexpr, NWL: tl.constexpr):
@@ -448,16 +460,10 @@ if HAVE_TRITON:
                 for s_ in tl.static_range(NT):
                     pz = zrow + rw * out_p + (tile0 + s_ * TSTRIDE) * 16 + g
                     d = acc[s_][0]
-                    if ATOMIC:
-                        tl.atomic_add(pz, d[0], mask=m_a, sem="relaxed")
-                        tl.atomic_add(pz + out_p, d[1], mask=m_b, sem="relaxed")
-                        tl.atomic_add(pz + 8, d[2], mask=m_a, sem="relaxed")
-                        tl.atomic_add(pz + out_p + 8, d[3], mask=m_b, sem="relaxed")
-                    else:
-                        tl.store(pz, d[0], mask=m_a)
-                        tl.store(pz + out_p, d[1], mask=m_b)
-                        tl.store(pz + 8, d[2], mask=m_a)
-                        tl.store(pz + out_p + 8, d[3], mask=m_b)
+                    _put(pz, d[0], m_a, ATOMIC)
+                    _put(pz + out_p, d[1], m_b, ATOMIC)
+                    _put(pz + 8, d[2], m_a, ATOMIC)
+                    _put(pz + out_p + 8, d[3], m_b, ATOMIC)
             elif KSPLIT:
                 # sum the warps' accumulators; the [32] result is stored by lane index l (any layout)
                 l32 = tl.arange(0, 32)
@@ -485,24 +491,14 @@ if HAVE_TRITON:
                         plo = zrow + (ra + 16 * b) * out_p + col
                         phi = plo + 8 * out_p
                         d = acc[s_][b]
-                        if ATOMIC:
-                            tl.atomic_add(plo, d[0], mask=mlo[b], sem="relaxed")
-                            tl.atomic_add(plo + 1, d[1], mask=mlo[b], sem="relaxed")
-                            tl.atomic_add(phi, d[2], mask=mhi[b], sem="relaxed")
-                            tl.atomic_add(phi + 1, d[3], mask=mhi[b], sem="relaxed")
-                            tl.atomic_add(plo + 8, d[4], mask=mlo[b], sem="relaxed")
-                            tl.atomic_add(plo + 9, d[5], mask=mlo[b], sem="relaxed")
-                            tl.atomic_add(phi + 8, d[6], mask=mhi[b], sem="relaxed")
-                            tl.atomic_add(phi + 9, d[7], mask=mhi[b], sem="relaxed")
-                        else:
-                            tl.store(plo, d[0], mask=mlo[b])
-                            tl.store(plo + 1, d[1], mask=mlo[b])
-                            tl.store(phi, d[2], mask=mhi[b])
-                            tl.store(phi + 1, d[3], mask=mhi[b])
-                            tl.store(plo + 8, d[4], mask=mlo[b])
-                            tl.store(plo + 9, d[5], mask=mlo[b])
-                            tl.store(phi + 8, d[6], mask=mhi[b])
-                            tl.store(phi + 9, d[7], mask=mhi[b])
+                        _put(plo, d[0], mlo[b], ATOMIC)
+                        _put(plo + 1, d[1], mlo[b], ATOMIC)
+                        _put(phi, d[2], mhi[b], ATOMIC)
+                        _put(phi + 1, d[3], mhi[b], ATOMIC)
+                        _put(plo + 8, d[4], mlo[b], ATOMIC)
+                        _put(plo + 9, d[5], mlo[b], ATOMIC)
+                        _put(phi + 8, d[6], mhi[b], ATOMIC)
+                        _put(phi + 9, d[7], mhi[b], ATOMIC)
         else:
             cg = tl.arange(0, 8)
             if KSPLIT:
@@ -516,12 +512,8 @@ if HAVE_TRITON:
                 for s_ in tl.static_range(NT):
                     col = ((pid_n * NT + s_) * WARPS + wi)[:, None] * 16 + cg[None, :]      # [WARPS, 8]
                     pz = zrow + mm[:, None, None] * out_p + col[None, :, :]
-                    if ATOMIC:
-                        tl.atomic_add(pz, acc[s_][0], mask=mmask[:, None, None], sem="relaxed")
-                        tl.atomic_add(pz + 8, acc[s_][1], mask=mmask[:, None, None], sem="relaxed")
-                    else:
-                        tl.store(pz, acc[s_][0], mask=mmask[:, None, None])
-                        tl.store(pz + 8, acc[s_][1], mask=mmask[:, None, None])
+                    _put(pz, acc[s_][0], mmask[:, None, None], ATOMIC)
+                    _put(pz + 8, acc[s_][1], mmask[:, None, None], ATOMIC)
 
     @triton.jit
     def _lane_states(raw, rsh, KA: tl.constexpr, HALF: tl.constexpr, NWL: tl.constexpr):
