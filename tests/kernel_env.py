@@ -37,3 +37,18 @@ def random_codes(in_p: int, out_p: int, bits, seed: int):
     suh = (torch.rand(in_p, generator=g) + 0.5) * torch.where(torch.rand(in_p, generator=g) < 0.5, -1.0, 1.0)
     svh = (torch.rand(out_p, generator=g) + 0.5) * torch.where(torch.rand(out_p, generator=g) < 0.5, -1.0, 1.0)
     return tr.to(DEV), suh.half().to(DEV), svh.half().to(DEV)
+
+
+def garbage_empty(monkeypatch) -> None:
+    """``torch.empty`` returns NaN (floats) / a large int (ints): a kernel path must never read an element that
+    no kernel wrote (partials of unused slots, stale indices, an accumulation buffer left unzeroed)."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype in (torch.int32, torch.int64):
+            t.fill_(1 << 20)
+        return t
+    monkeypatch.setattr(torch, "empty", empty)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_env import DEV, random_codes as _codes, require_kernels
+from kernel_env import DEV, garbage_empty, random_codes as _codes, require_kernels
 from spec_keys import record
 
 require_kernels()
@@ -146,7 +146,8 @@ def test_mma_matches_reconstruct(codebook, bits, shape, rows, cfg):
 def test_swapped_mma_adds_its_splits_into_one_buffer(codebook, bits, rows, monkeypatch):
     """1-8 rows (swapped operands): the K splits add into one fp32 buffer (atomic adds) — the same sums as the
     per-split partials that ``EXL3RT_KERNEL_DETERMINISTIC=1`` keeps (fp32 order only), and through
-    ``exl3_linear`` (the pre-pass zeroes the buffer) the same output as float64 x·W."""
+    ``exl3_linear`` (the pre-pass zeroes the buffer; ``torch.empty`` memory full of NaN) the same output as
+    float64 x·W; a buffer given where the splits are not added is refused."""
     tr, suh, svh = _codes(512, 128, bits, seed=rows)
     cfg = kl.MmaConfig(nt=2, num_warps=1, target_programs=32, swap=True)
     xh = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).half().to(DEV)
@@ -161,6 +162,9 @@ def test_swapped_mma_adds_its_splits_into_one_buffer(codebook, bits, rows, monke
     assert _rel(z[0], ref) < 1e-3
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(7))
     wref = x.double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), codebook, dtype=torch.float64)
+    with pytest.raises(ValueError, match="acc"):
+        kl.mma_rotated(xh, tr, codebook, cfg, acc=torch.zeros(1, rows, 128, device=DEV))
+    garbage_empty(monkeypatch)
     ys = []
     for det in ("1", "0"):
         monkeypatch.setenv("EXL3RT_KERNEL_DETERMINISTIC", det)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_env import DEV, require_kernels
+from kernel_env import DEV, garbage_empty as _garbage_empty, require_kernels
 from spec_keys import record
 
 require_kernels()
@@ -191,21 +191,6 @@ def test_grouped_gemv_rejects_bad_stacks():
         grouped_gemv(xs, [tr, tr[:, :4]], blk, npad, desc, 8, 16, "mcg")
     with pytest.raises(ValueError, match="columns"):
         grouped_gemv(xs[:, :64], [tr], blk, npad, desc, 8, 16, "mcg")
-
-
-def _garbage_empty(monkeypatch):
-    """``torch.empty`` returns NaN (floats) / a large int (ints): the fused passes must never read an
-    element that no kernel wrote (partials of slots past ``num_padded``, stale ``pos`` entries)."""
-    real = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif t.dtype in (torch.int32, torch.int64):
-            t.fill_(1 << 20)
-        return t
-    monkeypatch.setattr(torch, "empty", empty)
 
 
 # T, top-k, bits per expert, block_m, gated, one input rotation for gate/up (broadcast [1, H] tables),

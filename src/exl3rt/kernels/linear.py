@@ -297,9 +297,10 @@ def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Opt
     splits, k_per = gemv_splits(in_tiles, n_blocks * m_blocks, cfg.target_programs,
                                 k_multiple=unroll * (warps if cfg.ksplit else 1))
     atomic = use_atomic(cfg)
-    if atomic and acc is not None:
-        if acc.shape != (1, rows, tn * 16) or acc.dtype != torch.float32 or not acc.is_contiguous():
-            raise ValueError(f"mma_rotated: acc must be a contiguous fp32 [1, {rows}, {tn * 16}] tensor")
+    if acc is not None:
+        if not atomic or acc.shape != (1, rows, tn * 16) or acc.dtype != torch.float32 or not acc.is_contiguous():
+            raise ValueError(f"mma_rotated: acc must be a contiguous fp32 [1, {rows}, {tn * 16}] tensor, and only "
+                             f"where the splits are added into one buffer (use_atomic)")
         z = acc
     elif atomic:
         z = torch.zeros((1, rows, tn * 16), dtype=torch.float32, device=xh.device)
