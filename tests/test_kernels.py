@@ -238,9 +238,10 @@ def test_dispatch_and_prewarm_buckets():
     assert [kl.default_mma_config(r).swap for r in (1, 8, 9)] == [True, True, False]
     assert len({kl.specialization(r) for r in kl.PREWARM_ROWS}) == len(kl.PREWARM_ROWS)
     assert len({kl.specialization(r, 4, True) for r in kl.WGMMA_PREWARM_ROWS}) == len(kl.WGMMA_PREWARM_ROWS)
-    # where the wgmma kernel runs (Hopper): 33-640 rows, in three row buckets, decode + cuBLAS above
-    assert [kl.choose_path(r, wgmma=True) for r in (32, 33, 64, 65, 640, 641)] == \
-        ["mma", "wgmma", "wgmma", "wgmma", "wgmma", "decode_mm"]
+    # where the wgmma kernel runs (Hopper): 33-256 and 417-512 rows, in three row buckets, decode + cuBLAS
+    # between (one mostly empty 256-row block) and above (three blocks)
+    assert [kl.choose_path(r, wgmma=True) for r in (32, 33, 64, 65, 256, 257, 416, 417, 512, 513, 640)] == \
+        ["mma"] + ["wgmma"] * 4 + ["decode_mm"] * 2 + ["wgmma"] * 2 + ["decode_mm"] * 2
     # every row count maps to a bucket that the prewarm rows cover, at every K, with and without wgmma
     for bits in (2, 3, 4, 5, 6, 8, 2.5):
         assert {kl.specialization(r, bits) for r in range(1, 300)} <= {kl.specialization(r, bits) for r in kl.PREWARM_ROWS}
@@ -258,14 +259,14 @@ def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch, in_p, out
     recorders of Triton's specialization key (nothing runs)."""
     from exl3rt.kernels import gemv, hadamard, mma, wgmma
     targets = [(hadamard, "_had_kernel"), (mma, "_mma_kernel"), (gemv, "_decode_kernel"), (gemv, "_gemv_kernel")]
-    wg = wgmma.available(torch.device(DEV))       # on an H200: 33-640 rows take the wgmma kernel
+    wg = wgmma.available(torch.device(DEV))       # on an H200: 33-256 and 417-512 rows take the wgmma kernel
     if wg:
         targets.append((wgmma, "_wgmma_kernel"))
     real, warm = set(), set()
     tr, suh, svh = _codes(in_p, out_p, bits, seed=4)
     record(monkeypatch, targets, real)
     for dtype in (torch.bfloat16, torch.float16):
-        for rows in list(range(1, 81)) + ([130, 200, 257, 500, 640, 641, 800] if wg else []):
+        for rows in list(range(1, 81)) + ([130, 200, 257, 300, 417, 500, 513, 800] if wg else []):
             kl.exl3_linear(torch.randn(rows, in_p).to(dtype).to(DEV), tr, suh, svh, codebook)
     record(monkeypatch, targets, warm)
     for dtype in (torch.bfloat16, torch.float16):

@@ -42,6 +42,13 @@ def test_row_buckets_and_splits():
     assert wg.wgmma_splits(896, 64, 256) == (4, 224)           # 14336 x 4096: four K splits
 
 
+def test_padded_rows_are_whole_row_blocks():
+    """x' buffers of the wgmma path hold whole row blocks (a TMA box past the end of x' is slow)."""
+    assert [wg.padded_rows(r, wg.WGMMA_256) for r in (129, 256, 257, 512)] == [256, 256, 512, 512]
+    assert [wg.padded_rows(r, wg.WGMMA_64) for r in (33, 64, 65)] == [64, 64, 128]
+    assert [wg.padded_rows(r, wg.default_wgmma_config(r)) for r in (33, 65, 100, 129, 300)] == [64, 128, 128, 256, 512]
+
+
 def test_off_hopper_it_is_never_chosen_and_says_why(monkeypatch):
     assert not wg.available(torch.device("cpu"))
     x = torch.zeros(40, 128, dtype=torch.float16)
@@ -77,9 +84,27 @@ def test_kernel_against_float64(bits, codebook, rows):
 
 
 @hopper
-@pytest.mark.parametrize("rows", [33, 65, 129, 640])
+@pytest.mark.parametrize("rows", [33, 100, 300])
+def test_rows_past_the_product_are_read_never_stored(rows):
+    """x' padded to whole row blocks with NaN rows: the product's rows equal the unpadded call's (the padding
+    only reaches product rows that are not stored) and ``rows`` out of range is refused."""
+    tr, _, _ = _codes(1024, 512, 4, seed=rows)
+    cfg = wg.default_wgmma_config(rows)
+    x = torch.randn(rows, 1024, device=DEV).half()
+    xp = torch.full((wg.padded_rows(rows, cfg), 1024), float("nan"), device=DEV).half()
+    xp[:rows] = x
+    z = wg.wgmma_rotated(xp, tr, "mcg", cfg, rows=rows)
+    assert z.shape[1] == rows and torch.isfinite(z).all()
+    assert torch.equal(z, wg.wgmma_rotated(x, tr, "mcg", cfg))
+    for bad in (0, xp.shape[0] + 1):
+        with pytest.raises(ValueError, match="rows="):
+            wg.wgmma_rotated(xp, tr, "mcg", cfg, rows=bad)
+
+
+@hopper
+@pytest.mark.parametrize("rows", [33, 65, 129, 200, 417, 512])
 def test_exl3_linear_takes_the_wgmma_path(rows):
-    """``exl3_linear`` picks the wgmma kernel for 33-640 rows and equals the float64 layer (x' in fp16)."""
+    """``exl3_linear`` picks the wgmma kernel for 33-256 and 417-512 rows and equals the float64 layer (x' in fp16)."""
     tr, suh, svh = _codes(2048, 1024, 4, seed=rows)
     assert kl.choose_path(rows, wgmma=True) == "wgmma"
     x = torch.randn(rows, 2048, device=DEV)

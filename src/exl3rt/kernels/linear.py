@@ -14,10 +14,10 @@
   feeds two (four) 16-row blocks (``MmaConfig.row_blocks``); up to 8 rows the decoded tile is the mma's A operand and
   x'ᵀ the B operand (``MmaConfig.swap``: one mma per tile); ``MmaConfig.ksplit`` (a program's warps
   split its k-tiles) is kept as an option;
-* ``wgmma`` (33–640 rows, Hopper only: :func:`exl3rt.kernels.wgmma.available`): the same passes (x' row-major)
+* ``wgmma`` (33–256 and 417–512 rows, Hopper only: :func:`exl3rt.kernels.wgmma.available`): the same passes (x' row-major)
   around ``wgmma._wgmma_kernel`` — each warp decodes one n-tile's k-tiles straight into the registers of a
   warpgroup MMA's A operand (Qᵀ), x'ᵀ the B operand through TMA into shared memory;
-* ``decode_mm`` (more rows, or 65+ rows without wgmma): ``gemv._decode_kernel`` writes Q (fp16, bit-exact)
+* ``decode_mm`` (more rows, 257–416, or 65+ rows without wgmma): ``gemv._decode_kernel`` writes Q (fp16, bit-exact)
   once and cuBLAS computes ``x'·Q`` (fp16 operands, fp32 output), then the post-pass.
 
 The Hadamard passes (``hadamard.py``) are 7-stage fp32 butterflies in registers, one launch each.
@@ -71,9 +71,13 @@ class GemvConfig:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    nt: int = 16
-    num_warps: int = 4
-    k_per: int = 4
+    """Launch parameters of the Q decode of ``decode_mm`` (``gemv._decode_kernel``): ``nt`` n-tiles per
+    program, warps, k-tiles per program. 8 / 2 / 1 (H200, 2026-12-02, kernel alone, 36 configurations, 8
+    rotated weight copies): 4096×14336 K4 40.3 µs vs 44.5 at 16 / 4 / 4, 8192×8192 46.3 vs 50.6, K6 43.3 vs
+    49.3 (best at K6; within 1 % of the best, 16 / 4 / 1, at K2 and K4)."""
+    nt: int = 8
+    num_warps: int = 2
+    k_per: int = 1
 
 
 @dataclass(frozen=True)
@@ -325,21 +329,28 @@ def _pdl_args(device: torch.device) -> dict:
 PATHS = ("auto", "gemv", "mma", "wgmma", "decode_mm")
 MMA_MAX_ROWS = 64  # the mma GEMV decodes once per 8 / 16 / 32 / 64 rows; above, decode + cuBLAS wins
 # with the wgmma kernel (Hopper): from WGMMA_MIN_ROWS (the mma GEMV below) to WGMMA_MAX_ROWS (decode + cuBLAS
-# above). H200, 2026-12-01, whole calls as graph replays, 8 rotated weight copies: rows 32 mma 42.1-53.1 µs vs
-# wgmma 42.7-53.7 (three shapes, K 2-6), rows 40 (14336x4096 K4) 49.1 vs 43.4, rows 64 58.1-78.7 vs 44.0-54.4;
-# 14336x4096 K4 rows 512 wgmma 130.1 vs decode_mm 137.7, rows 768 189.7 vs 181.6, 1024 248.4 vs 221.6
+# above), except WGMMA_GAP. H200, 2026-12-01, whole calls as graph replays, 8 rotated weight copies: rows 32 mma
+# 42.1-53.1 µs vs wgmma 42.7-53.7 (three shapes, K 2-6), rows 40 (14336x4096 K4) 49.1 vs 43.4, rows 64 58.1-78.7
+# vs 44.0-54.4. H200, 2026-12-02 (x' padded to whole row blocks; three shapes, K4): the wgmma kernel costs
+# whole 256-row blocks, so from 257 rows on its second block is mostly empty and decode + cuBLAS is faster
+# (257 rows 102.7-109.0 µs vs 114.5-131.0, 352 rows 114.0-127.0 vs 119.4-137.6), even at 416 rows (136.4 /
+# 132.9 / 136.9 vs 134.1 / 124.1 / 142.7); from 448 rows the wgmma kernel again (4096x14336 448 rows 135.3 vs
+# 153.4, 512 rows 129.5-150.4 vs 133.8-150.3); 513+ rows would take three row blocks (576 rows 267-339 µs vs
+# 158.8-165.5 with decode + cuBLAS)
 WGMMA_MIN_ROWS = 33
-WGMMA_MAX_ROWS = 640
+WGMMA_MAX_ROWS = 512
+WGMMA_GAP = (257, 416)
 
 
 def choose_path(rows: int, gemv_max_rows: int = GEMV_DISPATCH_ROWS, wgmma: bool = False) -> str:
     """``gemv`` (fp32 FFMA decode-on-the-fly) up to ``gemv_max_rows`` rows (none by default),
     ``mma`` (warp-level tensor-core GEMV) up to :data:`MMA_MAX_ROWS`, else ``decode_mm`` (Q to
     fp16, then cuBLAS); with ``wgmma`` (the device runs it, :func:`exl3rt.kernels.wgmma.available`)
-    ``wgmma`` from :data:`WGMMA_MIN_ROWS` to :data:`WGMMA_MAX_ROWS` rows."""
+    ``wgmma`` from :data:`WGMMA_MIN_ROWS` to :data:`WGMMA_MAX_ROWS` rows, except :data:`WGMMA_GAP`
+    (257–416 rows: the kernel's second 256-row block mostly empty, decode + cuBLAS faster)."""
     if rows <= min(gemv_max_rows, GEMV_MAX_ROWS):
         return "gemv"
-    if wgmma and WGMMA_MIN_ROWS <= rows <= WGMMA_MAX_ROWS:
+    if wgmma and WGMMA_MIN_ROWS <= rows <= WGMMA_MAX_ROWS and not WGMMA_GAP[0] <= rows <= WGMMA_GAP[1]:
         return "wgmma"
     return "mma" if rows <= MMA_MAX_ROWS else "decode_mm"
 
@@ -386,14 +397,17 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
         z = mma_rotated(xf, trellis, codebook, cfg, rows=rows, acc=acc)
         _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0), pdl=pdl)
         return y
-    xh = torch.empty((rows, in_p), dtype=torch.float16, device=x.device)
     if path == "wgmma":
         wcfg = _wg.default_wgmma_config(rows)
         pdl = wcfg.pdl and _use_pdl(x.device)
-        _had(x, suh, xh, pre=True, pdl=pdl)
-        z = _wg.wgmma_rotated(xh, trellis, codebook, wcfg, pdl=pdl)
+        # x' in whole row blocks (no TMA box past its end: ~2x faster for a partial last block); rows past x's
+        # are left unwritten: they only reach product rows that are not stored
+        xh = torch.empty((_wg.padded_rows(rows, wcfg), in_p), dtype=torch.float16, device=x.device)
+        _had(x, suh, xh[:rows], pre=True, pdl=pdl)
+        z = _wg.wgmma_rotated(xh, trellis, codebook, wcfg, pdl=pdl, rows=rows)
         _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0), pdl=pdl)
         return y
+    xh = torch.empty((rows, in_p), dtype=torch.float16, device=x.device)
     _had(x, suh, xh, pre=True)
     q = decode_fp16(trellis, codebook, decode_cfg)
     z = torch.matmul(xh, q).float() if x.device.type == "cpu" else _mm_fp32(xh, q)
@@ -420,7 +434,7 @@ def specialization(rows: int, bits: Bits = 4, wgmma: bool = False) -> tuple:
 
 
 PREWARM_ROWS = (1, 2, 3, 5, 9, 17, 33, 65)  # one row count per bucket of :func:`specialization`
-WGMMA_PREWARM_ROWS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 641)  # the same where the wgmma kernel runs
+WGMMA_PREWARM_ROWS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257)  # the same where the wgmma kernel runs
 
 
 def prewarm_rows(device: str | torch.device) -> tuple[int, ...]:
@@ -460,5 +474,5 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Optional[Iterabl
 
 __all__ = ["exl3_linear", "gemv_rotated", "decode_fp16", "prewarm", "prewarm_rows", "GemvConfig", "DecodeConfig",
            "MmaConfig", "mma_rotated", "use_atomic", "xfrag_rows", "choose_path", "default_mma_config", "specialization",
-           "PREWARM_ROWS", "WGMMA_PREWARM_ROWS", "WGMMA_MIN_ROWS", "WGMMA_MAX_ROWS", "MMA_MAX_ROWS",
+           "PREWARM_ROWS", "WGMMA_PREWARM_ROWS", "WGMMA_MIN_ROWS", "WGMMA_MAX_ROWS", "WGMMA_GAP", "MMA_MAX_ROWS",
            "GEMV_MAX_ROWS", "GEMV_DISPATCH_ROWS", "interpreting", "gemv_splits"]
