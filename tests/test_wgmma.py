@@ -1,7 +1,8 @@
 """The Hopper wgmma decode GEMM (``exl3rt.kernels.wgmma``): host-side rules everywhere, numbers on an H200.
 
 Gluon kernels do not run in Triton's interpreter: on CPU (CI) this file checks the launch rules (row buckets,
-K splits, availability, the clear error off Hopper) and builds the kernel for sm_90 with the installed
+K splits, x' in whole row blocks — the kernel replaced by a recorder —, availability, the clear error off Hopper)
+and builds the kernel for sm_90 with the installed
 Triton (its SASS: the register layout change is free, 4 HGMMAs per chunk, and with the overlapped loop no
 instruction writes the A registers of a wgmma still in flight); on a GPU of compute capability 9.0 it checks
 the kernel against float64 products with Q from ``format.decode`` for every codebook, K from 2 to 8 and
@@ -47,6 +48,31 @@ def test_padded_rows_are_whole_row_blocks():
     assert [wg.padded_rows(r, wg.WGMMA_256) for r in (129, 256, 257, 512)] == [256, 256, 512, 512]
     assert [wg.padded_rows(r, wg.WGMMA_64) for r in (33, 64, 65)] == [64, 64, 128]
     assert [wg.padded_rows(r, wg.default_wgmma_config(r)) for r in (33, 65, 100, 129, 300)] == [64, 128, 128, 256, 512]
+
+
+@pytest.mark.parametrize("rows", [33, 100, 129, 460])
+def test_wgmma_path_hands_the_kernel_whole_row_blocks(rows, monkeypatch):
+    """``exl3_linear``'s wgmma path, host side (the kernel replaced by a recorder that returns x'·Q in float64, so
+    this runs anywhere): x' holds whole row blocks of the row bucket's configuration, the kernel is told the real
+    row count, the pre-pass wrote x' rows ``0 … rows − 1`` as the plain pre-pass does, and the output is x·W."""
+    tr, suh, svh = _codes(256, 128, 4, seed=rows)
+    q = decode(tr.cpu(), 4, "mcg").double()
+    seen = {}
+
+    def kernel(xh, trellis, codebook, cfg, pdl=False, rows=None):
+        seen.update(shape=tuple(xh.shape), rows=rows, block=cfg.block_rows, x=xh[:rows].clone())
+        return (xh[:rows].double().cpu() @ q).float().to(xh.device)[None]
+
+    monkeypatch.setattr(wg, "wgmma_rotated", kernel)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(DEV)
+    y = kl.exl3_linear(x, tr, suh, svh, "mcg", path="wgmma")
+    block = wg.default_wgmma_config(rows).block_rows
+    assert seen["rows"] == rows and seen["block"] == block and seen["shape"] == (-(-rows // block) * block, 256)
+    ref = torch.empty(rows, 256, dtype=torch.float16, device=DEV)
+    kl._had(x, suh, ref, pre=True)
+    assert torch.equal(seen["x"], ref)
+    w = reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), "mcg", dtype=torch.float64)
+    assert float((y.double().cpu() - x.double().cpu() @ w).norm() / (x.double().cpu() @ w).norm()) < 1e-3
 
 
 def test_off_hopper_it_is_never_chosen_and_says_why(monkeypatch):
