@@ -173,6 +173,43 @@ def test_swapped_mma_adds_its_splits_into_one_buffer(codebook, bits, rows, monke
     assert _rel(ys[1], ys[0].double().cpu()) < 1e-6
 
 
+def test_register_cap_reaches_ptxas_without_spills():
+    """``MmaConfig.maxnreg`` is a launch option of the mma kernel: built for sm_90 (no GPU needed) with 2 tiles per
+    warp and a cap of 40, the SASS names no register past R39 and spills nothing (uncapped it uses more), and the
+    capped configuration computes x·W like the default one (interpreter here, the compiled kernel on a GPU)."""
+    import re
+    from sass_check import build_sm90_triton
+    from exl3rt.kernels import mma as _mm
+    cb, mult, add = kl._cb_args("mcg")
+    args = {"x_ptr": "*fp16", "w_ptr": "*i32", "z_ptr": "*fp32", "rows": "i32", "in_tiles": "i32", "tn_total": "i32",
+            "k_per": "i32", "stride_x": "i32", "stride_zs": "i32", "one": "i32"}
+    const = dict(KA=4, HALF=0, CB=cb, MULT=mult, ADD=add, NT=2, WARPS=1, NWL=_mm.words_per_lane(4), ASM=True,
+                 KSPLIT=False, MB=1, SWAP=True, PDL=False, UNROLL=_mm.default_unroll(4), XFRAG=True, HALVES=False,
+                 ATOMIC=True)
+    top = {}
+    for cap in (0, 40):
+        sass = build_sm90_triton("exl3rt.kernels.mma", "_mma_kernel", args, const, num_warps=1,
+                                 **({"maxnreg": cap} if cap else {}))
+        if sass is None:
+            pytest.skip("this Triton ships no nvdisasm")
+        ops = [ln for ln in sass.splitlines() if "/*" in ln]
+        top[cap] = max(int(r) for ln in ops for r in re.findall(r"\bR(\d+)\b", ln))
+        assert not any(" STL" in ln or " LDL" in ln for ln in ops)
+    assert top[40] <= 39 < top[0]
+    tr, suh, svh = _codes(256, 128, 4, seed=3)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
+    wref = x.double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), "mcg", dtype=torch.float64)
+    cfg = kl.MmaConfig(nt=2, num_warps=2, target_programs=16, swap=True, maxnreg=40)
+    assert _rel(kl.exl3_linear(x.to(DEV), tr, suh, svh, "mcg", path="mma", mma_cfg=cfg), wref) < 1e-3
+    from spec_keys import record          # and the cap is a launch option of the mma kernel, only when set
+    with pytest.MonkeyPatch.context() as mp:
+        keys = set()
+        record(mp, [(_mm, "_mma_kernel")], keys)
+        for c in (cfg, kl.MmaConfig(nt=2, num_warps=2, target_programs=16, swap=True)):
+            kl.exl3_linear(x.to(DEV), tr, suh, svh, "mcg", path="mma", mma_cfg=c)
+    assert sorted(any(item[0] == "maxnreg" for item in k[1:]) for k in keys) == [False, True]
+
+
 @pytest.mark.parametrize("atomic", [False, True])
 def test_swapped_mma_sm90_build_adds_or_stores(atomic):
     """The swapped kernel built for sm_90 (no GPU needed): with ``ATOMIC`` its results leave as ``red.add.f32``
