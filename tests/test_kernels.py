@@ -173,26 +173,32 @@ def test_swapped_mma_adds_its_splits_into_one_buffer(codebook, bits, rows, monke
     assert _rel(ys[1], ys[0].double().cpu()) < 1e-6
 
 
-def test_register_cap_reaches_ptxas_without_spills():
-    """``MmaConfig.maxnreg`` is a launch option of the mma kernel: built for sm_90 (no GPU needed) with 2 tiles per
-    warp and a cap of 40, the SASS names no register past R39 and spills nothing (uncapped it uses more), and the
-    capped configuration computes x·W like the default one (interpreter here, the compiled kernel on a GPU)."""
-    import re
+def _swapped_mma_sm90_ops(ka: int, nt: int, *, halves: bool, atomic: bool, **options) -> list[str]:
+    """SASS instruction lines of the swapped one-warp mma kernel (MCG, K = ``ka``, ``nt`` tiles per warp, fragment-order
+    x') built for sm_90 in a fresh process (no GPU needed); ``options``: launch options such as ``maxnreg``."""
     from sass_check import build_sm90_triton
     from exl3rt.kernels import mma as _mm
     cb, mult, add = kl._cb_args("mcg")
     args = {"x_ptr": "*fp16", "w_ptr": "*i32", "z_ptr": "*fp32", "rows": "i32", "in_tiles": "i32", "tn_total": "i32",
             "k_per": "i32", "stride_x": "i32", "stride_zs": "i32", "one": "i32"}
-    const = dict(KA=4, HALF=0, CB=cb, MULT=mult, ADD=add, NT=2, WARPS=1, NWL=_mm.words_per_lane(4), ASM=True,
-                 KSPLIT=False, MB=1, SWAP=True, PDL=False, UNROLL=_mm.default_unroll(4), XFRAG=True, HALVES=False,
-                 ATOMIC=True)
+    const = dict(KA=ka, HALF=0, CB=cb, MULT=mult, ADD=add, NT=nt, WARPS=1, NWL=_mm.words_per_lane(ka), ASM=True,
+                 KSPLIT=False, MB=1, SWAP=True, PDL=False, UNROLL=_mm.default_unroll(ka), XFRAG=True, HALVES=halves,
+                 ATOMIC=atomic)
+    sass = build_sm90_triton("exl3rt.kernels.mma", "_mma_kernel", args, const, num_warps=1, **options)
+    if sass is None:
+        pytest.skip("this Triton ships no nvdisasm")
+    return [ln for ln in sass.splitlines() if "/*" in ln]
+
+
+def test_register_cap_reaches_ptxas_without_spills():
+    """``MmaConfig.maxnreg`` is a launch option of the mma kernel: built for sm_90 (no GPU needed) with 2 tiles per
+    warp and a cap of 40, the SASS names no register past R39 and spills nothing (uncapped it uses more), and the
+    capped configuration computes x·W like the default one (interpreter here, the compiled kernel on a GPU)."""
+    import re
+    from exl3rt.kernels import mma as _mm
     top = {}
     for cap in (0, 40):
-        sass = build_sm90_triton("exl3rt.kernels.mma", "_mma_kernel", args, const, num_warps=1,
-                                 **({"maxnreg": cap} if cap else {}))
-        if sass is None:
-            pytest.skip("this Triton ships no nvdisasm")
-        ops = [ln for ln in sass.splitlines() if "/*" in ln]
+        ops = _swapped_mma_sm90_ops(4, 2, halves=False, atomic=True, **({"maxnreg": cap} if cap else {}))
         top[cap] = max(int(r) for ln in ops for r in re.findall(r"\bR(\d+)\b", ln))
         assert not any(" STL" in ln or " LDL" in ln for ln in ops)
     assert top[40] <= 39 < top[0]
@@ -215,18 +221,7 @@ def test_swapped_mma_sm90_build_adds_or_stores(atomic):
     """The swapped kernel built for sm_90 (no GPU needed): with ``ATOMIC`` its results leave as ``red.add.f32``
     (REDG, fire-and-forget: no returned value, no compare-and-swap loop) and nothing is stored; without, plain
     stores (4 per tile either way)."""
-    from sass_check import build_sm90_triton
-    from exl3rt.kernels import mma as _mm
-    cb, mult, add = kl._cb_args("mcg")
-    args = {"x_ptr": "*fp16", "w_ptr": "*i32", "z_ptr": "*fp32", "rows": "i32", "in_tiles": "i32", "tn_total": "i32",
-            "k_per": "i32", "stride_x": "i32", "stride_zs": "i32", "one": "i32"}
-    const = dict(KA=3, HALF=0, CB=cb, MULT=mult, ADD=add, NT=4, WARPS=1, NWL=_mm.words_per_lane(3), ASM=True,
-                 KSPLIT=False, MB=1, SWAP=True, PDL=False, UNROLL=_mm.default_unroll(3), XFRAG=True, HALVES=True,
-                 ATOMIC=atomic)
-    sass = build_sm90_triton("exl3rt.kernels.mma", "_mma_kernel", args, const, num_warps=1)
-    if sass is None:
-        pytest.skip("this Triton ships no nvdisasm")
-    ops = [ln for ln in sass.splitlines() if "/*" in ln]
+    ops = _swapped_mma_sm90_ops(3, 4, halves=True, atomic=atomic)
     red = [ln for ln in ops if "REDG.E.ADD.F32" in ln]
     assert len(red) == (16 if atomic else 0)
     assert sum(" STG" in ln for ln in ops) == (0 if atomic else 16)
