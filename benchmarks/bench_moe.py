@@ -1,7 +1,7 @@
 """Mixed-bitrate EXL3 MoE layer on the GPU (issue 6): exl3rt.kernels.moe.exl3_moe.
 
     python benchmarks/bench_moe.py [--hidden 6144] [--inter 2048] [--experts 256] [--topk 8]
-                                   [--tiers 3:192 4:64] [--rows 1 8 32 128] [--unfused]
+                                   [--tiers 3:192 4:64] [--rows 1 8 32 128] [--unfused] [--profile]
                                    [--out benchmarks/results/moe_cuda.json]
 
 Random EXL3 codes (MCG) for every expert, tiers assigned to a random permutation of the experts,
@@ -13,7 +13,8 @@ and projection), and an all-K4 layer of the same shape, each the median of
 layer is checked at 2 rows against dense float32 weights from ``format.reconstruct`` for the routed experts, with route
 blocks of 8, 16, 32 and 64 (every tiered-launch layout: swapped 8-row fragments, row-major 16-row passes, 2 and 4 row
 blocks per decoded tile in fragment order). bf16 anchors are issue 6's (``torch._grouped_mm``,
-H200, 2026-11-30). Prints a table and writes JSON.
+H200, 2026-11-30). ``--profile``: the mixed layer's device time per kernel (torch profiler over eager calls) as well.
+Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -182,6 +183,22 @@ def time_calls(fn, inputs, iters):
     return statistics.median(ts), mode
 
 
+def kernel_times(fn, args, calls: int = 10) -> dict[str, float]:
+    """Device µs per call of each kernel ``fn(*args)`` launches (torch profiler over ``calls`` eager calls), by name."""
+    from collections import defaultdict
+    fn(*args)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn(*args)
+        torch.cuda.synchronize()
+    out: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            out[ev.name] += ev.device_time / calls
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=6144)
@@ -196,6 +213,8 @@ def main(argv=None):
                          "16-128 above)")
     ap.add_argument("--unfused", action="store_true", help="the torch glue instead of the fused passes")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 grouped_mm baseline (needs 6·E·H·I bytes)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also the mixed layer's device time per kernel (torch profiler, eager calls) per row count")
     ap.add_argument("--out", default="benchmarks/results/moe_cuda.json")
     args = ap.parse_args(argv)
     dev = "cuda"
@@ -233,6 +252,11 @@ def main(argv=None):
         res["rows"].append({"rows": r, "block_m": bm, "mixed_us": us_mixed, "k4_us": us_k4,
                             "serial_tiers_us": us_serial, "bf16_us": us_bf16, "bf16_anchor_us": anchor,
                             "timing": mode})
+        if args.profile:
+            kt = kernel_times(lambda x, ids, w: exl3_moe(x, ids, w, mixed, fused=fused, block_m=bm), inputs[0])
+            res["rows"][-1]["kernel_us"] = kt
+            print(f"rows={r} mixed, device µs per kernel (Σ {sum(kt.values()):.1f}): "
+                  + ", ".join(f"{k.split('(')[0][:32]} {v:.1f}" for k, v in kt.items()), flush=True)
         print(f"rows={r} (block_m {bm}): mixed {us_mixed:.1f} us, serial tiers {us_serial:.1f}, all-K4 {us_k4:.1f}, "
               f"bf16 grouped_mm {us_bf16 if us_bf16 is None else round(us_bf16, 1)} (issue anchor {anchor})",
               flush=True)

@@ -87,7 +87,9 @@ class MmaConfig:
     the program's warps share its ``nt`` tiles and split its k-tiles (summed in the kernel), instead
     of taking ``nt`` tiles each. ``maxnreg``: a register cap for ptxas (with 2 tiles per warp the 1-8-row kernel
     fits 40 registers without spilling, Triton 3.6 and 3.9 for sm_90, against ~62 uncapped: up to 51 resident
-    warps per multiprocessor instead of ~30, for programs of 2+ warps — one-warp programs stop at 32)."""
+    warps per multiprocessor instead of ~30, for programs of 2+ warps — one-warp programs stop at 32). On the H200
+    every capped configuration tried was slower than the defaults (2026-12-02: 1.03–1.20× at caps 40/48, 0.99–1.06×
+    at 56 with 4 tiles per warp; three shapes, K 2–6, rows 1 and 8), so no default sets it."""
     nt: int = 8
     num_warps: int = 1
     target_programs: int = 2112
