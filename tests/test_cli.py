@@ -54,3 +54,22 @@ def test_inspect_error_is_one_clear_line(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "missing")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("exl3rt: error:") and "no such file or directory" in err
+
+
+def test_closed_pipe_ends_quietly(tmp_path):
+    """``exl3rt inspect ... | head``: when the reader has gone, the command stops with status 141 (as if killed by
+    SIGPIPE) and writes nothing to stderr — no BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "ex"
+    assert main(["example", str(out)]) == 0
+    r, w = os.pipe()
+    os.close(r)                                   # the reader is gone before the first line
+    try:
+        proc = subprocess.run([sys.executable, "-m", "exl3rt.cli.main", "inspect", str(out)], stdout=w,
+                              stderr=subprocess.PIPE, timeout=300)
+    finally:
+        os.close(w)
+    assert proc.returncode == 141, proc.stderr.decode()
+    assert proc.stderr == b""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -52,10 +53,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command is None:
             parser.print_help()
             return 2
-        return int(args.run(args) or 0)
+        status = int(args.run(args) or 0)
+        sys.stdout.flush()                # a closed pipe shows here rather than in the interpreter's exit
+        return status
     except (FormatError, EncodeError, TensorFileError, env.EnvError, CacheError, Exl3ConfigError) as exc:
         print(f"exl3rt: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # the reader went away (``exl3rt inspect ... | head``): stop quietly, as a tool killed by SIGPIPE would
+        # (status 128 + 13); stdout goes to /dev/null so that the interpreter's last flush cannot raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":  # pragma: no cover
