@@ -75,3 +75,22 @@ def test_generate_bad_bits_is_a_clear_error(tiny, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("exl3rt: error:") and "mul1" in err
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("cmd,bits", [("eval", ["4", "0"]), ("eval", ["2.5"]), ("generate", ["9"]),
+                                      ("generate", ["3.5"])])
+def test_bad_bits_refused_before_anything_loads(cmd, bits, tmp_path, capsys, monkeypatch):
+    """A bad ``--bits`` (outside 1..8, or half-integer without ``--codebook mul1``) is one error line before the model
+    is even looked for — ``eval`` used to score the unquantized model first and fail minutes later."""
+    from exl3rt.cli import evaluate, generate
+
+    def never(*a, **k):
+        raise AssertionError("the model was looked for / loaded before --bits was checked")
+
+    for mod in (evaluate, generate):
+        monkeypatch.setattr(mod, "model_path", never)
+        monkeypatch.setattr(mod, "load", never)
+    assert main([cmd, "--bits", *bits, "--cache-dir", str(tmp_path / "c")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("exl3rt: error: --bits") and err.count("\n") == 1
+    assert not (tmp_path / "c").exists()

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ..format.bits import normalize_bits
+from ..format.bits import is_half, normalize_bits
+from ..format.errors import FormatError
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -28,6 +29,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="encoding cache mode (default: EXL3RT_CACHE_MODE or readwrite)")
     p.add_argument("--cache-dir", metavar="DIR", help="encoding cache root (default: EXL3RT_CACHE_DIR or ~/.cache/exl3rt)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def check_bits(values: list[float], codebook: str) -> None:
+    """Refuse a bad ``--bits`` before anything loads (one clear line, not minutes of loading and then an error):
+    K in 1..8, or 1.5 / 2.5 / 3.5 with ``--codebook mul1``."""
+    for b in values:
+        k = normalize_bits(b, name="--bits")
+        if is_half(k) and codebook != "mul1":
+            raise FormatError(f"--bits {k:g}: half-integer bitrates need --codebook mul1 (got --codebook {codebook})")
 
 
 def model_path(args: argparse.Namespace) -> tuple[Path, str]:

@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any
 
-from ._load import add_model_args, describe_load, load, model_path
+from ._load import add_model_args, check_bits, describe_load, load, model_path
 
 HELP = "perplexity on a bundled text: the unquantized model and each EXL3 bitrate side by side"
 
@@ -40,6 +40,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..evaluation import perplexity
 
+    check_bits(args.bits, args.codebook)
     path, name = model_path(args)
     text = None
     if args.text:

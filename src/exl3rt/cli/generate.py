@@ -6,7 +6,7 @@ import argparse
 import time
 from typing import Any
 
-from ._load import add_model_args, describe_load, load, model_path
+from ._load import add_model_args, check_bits, describe_load, load, model_path
 
 HELP = "load a model quantized on the fly to EXL3 (through the encoding cache) and generate text"
 
@@ -55,8 +55,10 @@ def _input_ids(tok: Any, prompt: str, raw: bool) -> Any:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    path, name = model_path(args)
     bits = None if args.bits >= 16 else args.bits
+    if bits is not None:
+        check_bits([bits], args.codebook)
+    path, name = model_path(args)
     what = "unquantized" if bits is None else f"EXL3 K={bits:g} {args.codebook}"
     print(f"exl3rt: {name} ({path}), {what}, on {args.device}", flush=True)
     ld = load(args, path, bits)
