@@ -94,3 +94,25 @@ def test_bad_bits_refused_before_anything_loads(cmd, bits, tmp_path, capsys, mon
     err = capsys.readouterr().err
     assert err.startswith("exl3rt: error: --bits") and err.count("\n") == 1
     assert not (tmp_path / "c").exists()
+
+
+def test_generate_names_a_refused_weight_in_one_line(tiny, tmp_path, capsys):
+    """A NaN weight: ``exl3rt generate`` ends with one ``exl3rt: error:`` line naming the tensor — not transformers'
+    load report and RuntimeError — and status 1."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "nan"
+    shutil.copytree(tiny, src)
+    (st,) = src.glob("*.safetensors")
+    tensors = load_file(str(st))
+    name = next(n for n in tensors if n.endswith("self_attn.q_proj.weight"))
+    tensors[name][1, 2] = float("inf")
+    save_file(tensors, str(st), metadata={"format": "pt"})
+    rc = main(["generate", "--model", str(src), "--bits", "3", "--cache-dir", str(tmp_path / "c"), "--quiet"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"exl3rt: error: {name.rsplit('.', 1)[0]}:") and "non-finite" in last
+    assert "LOAD REPORT" not in err and "Traceback" not in err

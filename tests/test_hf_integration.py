@@ -140,3 +140,52 @@ def test_config_errors_and_registration():
     assert AUTO_QUANTIZER_MAPPING["exl3rt"] is hf.Exl3HfQuantizer
     with pytest.raises(ValueError, match="disk"):
         hf.Exl3HfQuantizer(cfg, pre_quantized=False).validate_environment(device_map={"": "disk"})
+
+
+def test_refused_weight_fails_the_load_fast_and_names_it(tmp_path_factory, tmp_path, monkeypatch, caplog):
+    """A NaN in the checkpoint: the encoder's refusal (naming the tensor) fails ``from_pretrained`` — logged as it
+    happens, and inside ``refusals_raised`` raised itself instead of transformers' generic ``RuntimeError`` — and
+    after it no other weight is encoded (transformers loads on to write its report; the quantizer passes the rest
+    over): with NaN in every selected weight, exactly one encode is attempted."""
+    import logging
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from exl3rt.encode.errors import EncodeError
+
+    src = tmp_path / "nan"
+    shutil.copytree(llama_src(tmp_path_factory), src)
+    (st,) = src.glob("*.safetensors")
+    tensors = load_file(str(st))
+    for name, t in tensors.items():
+        if name.endswith("_proj.weight"):
+            t[0, 0] = float("nan")
+    save_file(tensors, str(st), metadata={"format": "pt"})
+    calls = []
+    original = hf.Exl3HfQuantizer._quantize_target
+
+    def spy(self, key, value, target):
+        calls.append(key)
+        return original(self, key, value, target)
+
+    monkeypatch.setattr(hf.Exl3HfQuantizer, "_quantize_target", spy)
+    cfg = hf.Exl3Config(bits=4, cache_dir=str(tmp_path / "c"), progress=False)
+    with caplog.at_level(logging.ERROR, logger="exl3rt"):
+        with pytest.raises(RuntimeError) as plain:
+            load(src, quantization_config=cfg)
+    assert not isinstance(plain.value, EncodeError) and len(calls) == 1
+    layer = calls[0].rsplit(".", 1)[0]
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("exl3rt")] == [
+        f"exl3rt: {layer}: 1 non-finite value(s) (NaN/inf) in the weight; the source checkpoint is corrupt or was "
+        f"saved after a diverged update (the load fails; the remaining weights are passed over)"]
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="exl3rt"):
+        with pytest.raises(EncodeError, match=f"^{layer}: 1 non-finite"):
+            with hf.refusals_raised():
+                load(src, quantization_config=cfg)
+    assert not [r for r in caplog.records if r.name.startswith("exl3rt")]   # said by the exception, not logged
+    assert len(calls) == 2                                                    # again one encode only
+    with pytest.raises(OSError):                                              # other errors pass unchanged
+        with hf.refusals_raised():
+            load(tmp_path / "missing", quantization_config=cfg)

@@ -83,11 +83,18 @@ def load(args: argparse.Namespace, path: Path, bits: Optional[float]) -> Loaded:
     if bits is None:
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
         return Loaded(model, tok, time.perf_counter() - t0, None, {})
+    from ..integrations.transformers import refusals_raised
     from ..runtime.config import Exl3Config
 
     cfg = Exl3Config(bits=normalize_bits(bits), codebook=args.codebook, cache_mode=args.cache_mode,
                      cache_dir=args.cache_dir, progress=not args.quiet)
-    model = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=cfg, **kwargs).eval()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()    # a failed load's report would bury the line that says what is wrong
+    try:
+        with refusals_raised():         # a weight the encoder refused (e.g. NaN): that error, in one line
+            model = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=cfg, **kwargs).eval()
+    finally:
+        hf_logging.set_verbosity(verbosity)
     seconds = time.perf_counter() - t0
     return Loaded(model, tok, seconds, bits, model.hf_quantizer.summary())
 

@@ -30,13 +30,21 @@ How the weights flow (each linear is encoded as its weight loads; the dense mode
 
 ``save_pretrained`` is refused (``is_serializable`` is False): the codes live in the exl3rt cache; write
 an EXL3 checkpoint with ``exl3rt quantize`` instead.
+
+A weight the encoder refuses (NaN/inf values, a bad shape: :class:`exl3rt.encode.errors.EncodeError`) fails
+the load, and fast: transformers collects conversion errors, loads on and raises one ``RuntimeError`` with its
+load report at the end, so after the first refusal the other weights are passed over instead of encoded (no
+hours spent on a load that will fail). The refusal itself — naming the tensor and the fix — is logged (ERROR) as
+it happens and is in the report's ``CONVERSION`` entry; inside :func:`refusals_raised`, ``from_pretrained`` raises
+it instead of transformers' ``RuntimeError``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -45,6 +53,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from ..encode.errors import EncodeError
 from ..runtime.config import QUANT_METHOD
 from ..runtime.config import Exl3Config as RuntimeExl3Config
 from ..runtime.config import Exl3ConfigError as RuntimeExl3ConfigError
@@ -92,6 +101,37 @@ class Exl3Config(QuantizationConfigMixin):
 
     def to_dict(self) -> dict[str, Any]:
         return self.to_runtime().to_dict()
+
+
+_REFUSAL = "exl3rt_encode_error"   # the log record attribute that carries a refused weight's EncodeError
+
+
+@contextlib.contextmanager
+def refusals_raised() -> Iterator[list[EncodeError]]:
+    """Inside, ``from_pretrained`` with an exl3rt config raises the encoder's :class:`EncodeError` for the first
+    weight it refused (e.g. NaN values; the message names the tensor and the fix) instead of transformers' generic
+    ``RuntimeError`` after its load report; the refusal is not logged (the exception says it). Yields the refusals
+    caught so far. Other errors pass unchanged."""
+    caught: list[EncodeError] = []
+
+    class _Catch(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            exc = getattr(record, _REFUSAL, None)
+            if exc is None:
+                return True
+            caught.append(exc)
+            return False
+
+    flt = _Catch()
+    log.addFilter(flt)
+    try:
+        yield caught
+    except RuntimeError:
+        if caught:
+            raise caught[0] from None
+        raise
+    finally:
+        log.removeFilter(flt)
 
 
 def _as_hf_config(config: Any) -> Exl3Config:
@@ -146,6 +186,7 @@ class Exl3HfQuantizer(HfQuantizer):
         self._targets: list[LinearTarget | ExpertsTarget] = []
         self._progress: Optional[Progress] = None
         self._t0 = time.perf_counter()
+        self.error: Optional[EncodeError] = None   # the first weight the encoder refused: the load fails
 
     # ---- environment -------------------------------------------------------------------------------------
     def validate_environment(self, device_map: Any = None, **kwargs: Any) -> None:
@@ -238,6 +279,21 @@ class Exl3HfQuantizer(HfQuantizer):
         target = self._pending.get(key)
         if target is None:
             return {key: value}
+        if self.error is not None:      # the load already failed: pass over the rest instead of encoding it
+            self._done.add(key)
+            return {key: _spent(value)}
+        try:
+            return self._quantize_target(key, value, target)
+        except EncodeError as exc:
+            self.error = exc
+            if self._progress is not None:
+                self._progress.close()
+            log.error("exl3rt: %s (the load fails; the remaining weights are passed over)", exc,
+                      extra={_REFUSAL: exc})
+            raise
+
+    def _quantize_target(self, key: str, value: torch.Tensor,
+                         target: LinearTarget | ExpertsTarget) -> dict[str, torch.Tensor]:
         enc = self._encoder()
         out: dict[str, torch.Tensor] = {}
         if isinstance(target, LinearTarget):
