@@ -127,6 +127,54 @@ def test_refuses_to_mix_settings_and_to_overwrite(src, tmp_path, monkeypatch):
     assert {p.name: p.stat().st_mtime_ns for p in done.iterdir()} == before
 
 
+@pytest.mark.parametrize("existing", ["none", "empty", "resumed"])
+def test_refused_weight_changes_nothing_on_disk(src, tmp_path, capsys, existing):
+    """A NaN in the fourth linear: one error line naming it, status 1, and what the run made is gone — OUT itself
+    when the run created it, the work folder when OUT existed (empty) before; a resumed run leaves the work folder
+    (another run's layers with the same settings) in place."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad-src"
+    shutil.copytree(src, bad)
+    (st,) = bad.glob("*.safetensors")
+    tensors = load_file(str(st))
+    names = sorted(n for n in tensors if n.endswith("_proj.weight"))
+    tensors[names[3]][0, 1] = float("nan")
+    save_file(tensors, str(st), metadata={"format": "pt"})
+    out = tmp_path / "out"
+    if existing == "empty":
+        out.mkdir()
+    before = None
+    if existing == "resumed":
+        real, calls = run_mod.quantize_weight, {"n": 0}
+
+        def crash_second(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise KeyboardInterrupt
+            return real(*a, **k)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(run_mod, "quantize_weight", crash_second)
+            with pytest.raises(KeyboardInterrupt):
+                main(["quantize", str(bad), str(out), "--bits", "3", "--quiet"])
+        before = sorted(p.name for p in (out / WORK_DIR / "layers").iterdir())
+        assert len(before) == 1
+    capsys.readouterr()
+    assert main(["quantize", str(bad), str(out), "--bits", "3", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    layer = names[3].rsplit(".", 1)[0]
+    assert err.startswith(f"exl3rt: error: {layer}: 1 non-finite value(s)") and err.count("\n") == 1
+    if existing == "none":
+        assert not out.exists()
+    elif existing == "empty":
+        assert out.is_dir() and not any(out.iterdir())
+    else:
+        assert set(before) <= {p.name for p in (out / WORK_DIR / "layers").iterdir()}
+
+
 def test_calibrated_conversion(src, tmp_path):
     text = tmp_path / "calib.txt"
     text.write_text(calibration_text())

@@ -4,7 +4,10 @@ Finished layers are published one file each (atomically) under ``OUT/.exl3rt-wor
 together with ``job.json`` (the settings and the source files' sizes and times). A rerun with the
 same settings skips every layer already there and valid; different settings or a changed
 source are refused rather than mixed. When all layers are done the EXL3 checkpoint is written
-(shards, index, configs) and the work folder is removed.
+(shards, index, configs) and the work folder is removed. A source weight the encoder refuses
+(NaN/inf values, a bad shape: :class:`EncodeError`) ends the run and removes what this run created
+(the work folder, and OUT itself if the run made it): fixing the source changes it, so the layers
+finished before could never be resumed.
 """
 
 from __future__ import annotations
@@ -112,6 +115,7 @@ def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codeboo
     work = out / WORK_DIR
     layers_dir = work / "layers"
     job_file = work / "job.json"
+    made_out, made_work = not out.exists(), not work.exists()
     if job_file.exists():
         old = json.loads(job_file.read_text())
         if _digest(old) != digest:
@@ -136,8 +140,15 @@ def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codeboo
         else:
             w, bias = _source_weight(src, job)
             h = hessians(job.name) if hessians else None
-            lin = quantize_weight(w.to(device), job.bits, job.codebook, hessian=h, seed=module_seed(job.name, seed),
-                                  backend=backend, name=job.name, progress=lambda tiles: bar.update(256 * tiles))
+            try:
+                lin = quantize_weight(w.to(device), job.bits, job.codebook, hessian=h,
+                                      seed=module_seed(job.name, seed), backend=backend, name=job.name,
+                                      progress=lambda tiles: bar.update(256 * tiles))
+            except EncodeError:
+                bar.close()
+                if made_out or made_work:   # a resumed run's earlier work stays as it was
+                    shutil.rmtree(out if made_out else work, ignore_errors=True)
+                raise
             lin = lin.to("cpu")
             if bias is not None:
                 lin.bias = bias
