@@ -73,3 +73,38 @@ def test_closed_pipe_ends_quietly(tmp_path):
         os.close(w)
     assert proc.returncode == 141, proc.stderr.decode()
     assert proc.stderr == b""
+
+
+def test_bad_option_values_are_usage_errors(tmp_path, capsys):
+    """Counts, windows and files are checked by argparse (status 2, one line naming the option) before anything
+    loads; a --device this machine lacks is one ``exl3rt: error:`` line (status 1)."""
+    import torch
+
+    cases = [(["eval", "--ctx", "1"], "argument --ctx: 1 is too small: at least 2"),
+             (["eval", "--max-tokens", "x"], "argument --max-tokens: 'x' is not an integer"),
+             (["eval", "--text", str(tmp_path / "none.txt")], f"argument --text: {tmp_path / 'none.txt'}: no such file"),
+             (["generate", "--max-new-tokens", "0"], "argument --max-new-tokens: 0 is too small: at least 1"),
+             (["quantize", "a", "b", "--calibrate", str(tmp_path)], f"argument --calibrate: {tmp_path}: no such file"),
+             (["quantize", "a", "b", "--calib-rows", "0"], "argument --calib-rows: 0 is too small: at least 1")]
+    for argv, msg in cases:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].endswith(msg), argv
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for cmd in (["generate"], ["eval"], ["quantize", str(tmp_path / "src"), str(tmp_path / "out")]):
+        for dev, msg in ((f"cuda:{n}", "no CUDA device here" if n == 0 else f"only {n} CUDA device(s)"),
+                         ("banana", "not a device"), ("meta", "exl3rt runs on cpu or cuda")):
+            assert main(cmd + ["--device", dev]) == 1
+            err = capsys.readouterr().err
+            assert err.startswith(f"exl3rt: error: --device ") and msg in err and err.count("\n") == 1, (cmd, err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unwritable_output_is_one_line(tmp_path, capsys):
+    """An OS error (here: OUT is a file, so nothing can be made under it) is one ``exl3rt: error:`` line, status 1."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["example", str(blocker / "sub")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("exl3rt: error:") and err.count("\n") == 1 and str(blocker) in err

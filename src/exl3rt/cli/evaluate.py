@@ -7,6 +7,7 @@ import json
 import math
 from typing import Any
 
+from ._args import check_device, int_at_least, readable_file
 from ._load import add_model_args, check_bits, describe_load, load, model_path
 
 HELP = "perplexity on a bundled text: the unquantized model and each EXL3 bitrate side by side"
@@ -28,9 +29,9 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("eval", help=HELP, description=DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bits", type=float, nargs="+", default=[2, 3, 4, 6], help="bitrates to score (default 2 3 4 6)")
-    p.add_argument("--text", metavar="FILE", help="text file to score (default: the bundled text)")
-    p.add_argument("--ctx", type=int, default=512, help="window length in tokens (default 512)")
-    p.add_argument("--max-tokens", type=int, help="score only the first N tokens")
+    p.add_argument("--text", metavar="FILE", type=readable_file, help="text file to score (default: the bundled text)")
+    p.add_argument("--ctx", type=int_at_least(2), default=512, help="window length in tokens (default 512)")
+    p.add_argument("--max-tokens", type=int_at_least(2), help="score only the first N tokens")
     p.add_argument("--no-baseline", action="store_true", help="skip the unquantized model")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     add_model_args(p)
@@ -41,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from ..evaluation import perplexity
 
     check_bits(args.bits, args.codebook)
+    check_device(args.device)
     path, name = model_path(args)
     text = None
     if args.text:

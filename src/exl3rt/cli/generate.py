@@ -6,6 +6,7 @@ import argparse
 import time
 from typing import Any
 
+from ._args import check_device, int_at_least
 from ._load import add_model_args, check_bits, describe_load, load, model_path
 
 HELP = "load a model quantized on the fly to EXL3 (through the encoding cache) and generate text"
@@ -38,7 +39,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--bits", type=float, default=4,
                    help="bits per weight K: 1..8, 1.5/2.5/3.5 with --codebook mul1; 16 = unquantized (default 4)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"prompt (default: {DEFAULT_PROMPT!r})")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate (default 48)")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=48, help="tokens to generate (default 48)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is (default: the chat template, if any)")
     add_model_args(p)
     p.set_defaults(run=run)
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     bits = None if args.bits >= 16 else args.bits
     if bits is not None:
         check_bits([bits], args.codebook)
+    check_device(args.device)
     path, name = model_path(args)
     what = "unquantized" if bits is None else f"EXL3 K={bits:g} {args.codebook}"
     print(f"exl3rt: {name} ({path}), {what}, on {args.device}", flush=True)

@@ -64,6 +64,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # (status 128 + 13); stdout goes to /dev/null so that the interpreter's last flush cannot raise again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as exc:                # a file or folder the command cannot read or write: say which, in one line
+        print(f"exl3rt: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ._args import check_device, int_at_least, readable_file
+
 HELP = "convert a Hugging Face safetensors checkpoint to an EXL3 checkpoint"
 
 DESCRIPTION = HELP + """.
@@ -40,9 +42,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--keep", action="append", default=[], metavar="PATTERN",
                    help="keep matching modules unquantized, e.g. '*.layers.0.*' (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random sign vectors (default 0)")
-    p.add_argument("--calibrate", metavar="TEXT", help="text file for calibration (LDLQ + scale refit)")
-    p.add_argument("--calib-rows", type=int, default=32, help="calibration sequences (default 32)")
-    p.add_argument("--calib-tokens", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument("--calibrate", metavar="TEXT", type=readable_file,
+                   help="text file for calibration (LDLQ + scale refit)")
+    p.add_argument("--calib-rows", type=int_at_least(1), default=32, help="calibration sequences (default 32)")
+    p.add_argument("--calib-tokens", type=int_at_least(2), default=512,
+                   help="tokens per calibration sequence (default 512)")
     p.add_argument("--backend", default="auto", choices=("auto", "numba", "triton", "torch"),
                    help="Viterbi backend (default auto: triton on CUDA, numba on CPU)")
     p.add_argument("--device", default="cpu", help="device for the encoder, e.g. cuda (default cpu)")
@@ -59,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from ..convert import convert_checkpoint
     from ..convert.plan import parse_overrides
 
+    check_device(args.device)
     hessians, calib_id = None, None
     if args.calibrate:
         from ..convert.calibrate import collect_hessians
