@@ -83,7 +83,7 @@ def test_quantize_end_to_end(src, tmp_path, capsys):
     assert float((got - ref).norm() / ref.norm()) < 0.2  # errors of 15 layers compound in a random model
 
 
-def test_resume_after_crash_gives_the_same_checkpoint(src, tmp_path, monkeypatch):
+def test_resume_after_crash_gives_the_same_checkpoint(src, tmp_path, monkeypatch, capsys):
     full = tmp_path / "full"
     assert main(["quantize", str(src), str(full), "--bits", "3", "--quiet"]) == 0
     real = run_mod.quantize_weight
@@ -97,8 +97,10 @@ def test_resume_after_crash_gives_the_same_checkpoint(src, tmp_path, monkeypatch
 
     monkeypatch.setattr(run_mod, "quantize_weight", crashing)
     part = tmp_path / "part"
-    with pytest.raises(KeyboardInterrupt):
-        main(["quantize", str(src), str(part), "--bits", "3", "--quiet"])
+    capsys.readouterr()
+    assert main(["quantize", str(src), str(part), "--bits", "3", "--quiet"]) == 130
+    assert capsys.readouterr().err == (f"exl3rt: interrupted; 5 finished layer(s) are kept in {part / WORK_DIR}; "
+                                       f"run the same command again to resume\n")
     assert not (part / "config.json").exists() and len(list((part / WORK_DIR / "layers").iterdir())) == 5
     monkeypatch.setattr(run_mod, "quantize_weight", real)
     summary = run_mod.convert_checkpoint(src, part, bits=3, progress=False)
@@ -158,8 +160,7 @@ def test_refused_weight_changes_nothing_on_disk(src, tmp_path, capsys, existing)
 
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(run_mod, "quantize_weight", crash_second)
-            with pytest.raises(KeyboardInterrupt):
-                main(["quantize", str(bad), str(out), "--bits", "3", "--quiet"])
+            assert main(["quantize", str(bad), str(out), "--bits", "3", "--quiet"]) == 130
         before = sorted(p.name for p in (out / WORK_DIR / "layers").iterdir())
         assert len(before) == 1
     capsys.readouterr()

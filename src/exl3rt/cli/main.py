@@ -67,6 +67,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as exc:                # a file or folder the command cannot read or write: say which, in one line
         print(f"exl3rt: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as exc:      # Ctrl-C: one line (with what the command kept, if it says), status 130
+        notes = getattr(exc, "__notes__", None) or []
+        print("exl3rt: interrupted" + "".join(f"; {n}" for n in notes), file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

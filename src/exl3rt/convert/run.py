@@ -149,6 +149,11 @@ def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codeboo
                 if made_out or made_work:   # a resumed run's earlier work stays as it was
                     shutil.rmtree(out if made_out else work, ignore_errors=True)
                 raise
+            except KeyboardInterrupt as exc:
+                bar.close()
+                done = sum(1 for _ in layers_dir.glob("*.safetensors"))
+                exc.add_note(f"{done} finished layer(s) are kept in {work}; run the same command again to resume")
+                raise
             lin = lin.to("cpu")
             if bias is not None:
                 lin.bias = bias
