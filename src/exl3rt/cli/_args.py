@@ -7,6 +7,10 @@ import os
 from typing import Callable
 
 
+class UsageError(ValueError):
+    """A command-line value this machine or command cannot use (``exl3rt`` prints it as one error line)."""
+
+
 def int_at_least(low: int) -> Callable[[str], int]:
     """An integer >= ``low`` (argparse ``type``)."""
     def parse(text: str) -> int:
@@ -34,17 +38,16 @@ def check_device(name: str) -> None:
     """Refuse a ``--device`` this machine cannot run on, in one line, before anything loads."""
     import torch
 
-    from ..format.errors import FormatError
     try:
         dev = torch.device(name)
     except (RuntimeError, TypeError):
-        raise FormatError(f"--device {name!r}: not a device; use cpu, cuda or cuda:N") from None
+        raise UsageError(f"--device {name!r}: not a device; use cpu, cuda or cuda:N") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise FormatError(f"--device {name}: no CUDA device here (this torch "
+            raise UsageError(f"--device {name}: no CUDA device here (this torch "
                               f"{'is a CPU build' if torch.version.cuda is None else 'sees no GPU'}); use --device cpu")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise FormatError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here "
+            raise UsageError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here "
                               f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
     elif dev.type != "cpu":
-        raise FormatError(f"--device {name}: exl3rt runs on cpu or cuda")
+        raise UsageError(f"--device {name}: exl3rt runs on cpu or cuda")

@@ -18,6 +18,7 @@ from ..format.errors import FormatError
 from ..runtime.config import Exl3ConfigError
 from ..util.tensorfiles import TensorFileError
 from . import cache, evaluate, example, generate, inspect, quantize
+from ._args import UsageError
 
 COMMANDS = (generate, evaluate, quantize, inspect, cache, example)
 
@@ -56,7 +57,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         status = int(args.run(args) or 0)
         sys.stdout.flush()                # a closed pipe shows here rather than in the interpreter's exit
         return status
-    except (FormatError, EncodeError, TensorFileError, env.EnvError, CacheError, Exl3ConfigError) as exc:
+    except (FormatError, EncodeError, TensorFileError, env.EnvError, CacheError, Exl3ConfigError, UsageError) as exc:
         print(f"exl3rt: error: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:
