@@ -116,3 +116,20 @@ def test_generate_names_a_refused_weight_in_one_line(tiny, tmp_path, capsys):
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"exl3rt: error: {name.rsplit('.', 1)[0]}:") and "non-finite" in last
     assert "LOAD REPORT" not in err and "Traceback" not in err
+
+
+def test_generate_refuses_a_quantized_checkpoint_with_the_way_out(tiny, tmp_path):
+    """An EXL3 checkpoint (from exl3rt quantize) as --model: one line saying it is already quantized and how to
+    serve it, before anything loads (it used to fail inside transformers: "7 selected weights were not in the
+    checkpoint"); another method's checkpoint is named too."""
+    import json
+
+    out = tmp_path / "exl3"
+    assert main(["quantize", str(tiny), str(out), "--bits", "3", "--quiet"]) == 0
+    with pytest.raises(SystemExit, match="quant_method 'exl3'.*serve it with vLLM.*point --model at the original"):
+        main(["generate", "--model", str(out), "--quiet"])
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit, match="quant_method 'gptq'\\); this command quantizes"):
+        main(["eval", "--model", str(out), "--bits", "4"])

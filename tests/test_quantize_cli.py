@@ -58,6 +58,12 @@ def test_quantize_end_to_end(src, tmp_path, capsys):
     out = tmp_path / "exl3"
     assert main(["quantize", str(src), str(out), "--bits", "4", "--bits-for", "*.down_proj=5", "--quiet"]) == 0
     assert "wrote" in capsys.readouterr().out
+    # the source's side files (tokenizer, generation config) are carried over byte for byte, weights are not
+    side = sorted(p.name for p in src.iterdir() if p.suffix != ".safetensors" and p.name != "config.json")
+    assert "tokenizer.json" in side and "generation_config.json" in side
+    for name in side:
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+    assert not (out / "model.safetensors").exists()
     ckpt = Exl3Checkpoint(out)
     bits = {li.name: li.bits for li in ckpt.linears()}
     assert bits["lm_head"] == 6  # tied embedding -> separate quantized head
@@ -202,3 +208,18 @@ def test_moe_experts_become_per_expert_linears(tmp_path):
     ids = torch.randint(3, 64, (1, 24), generator=torch.Generator().manual_seed(2))
     ref, got = logits_with_exl3_weights(src, out, ids, tmp_path)
     assert float((got - ref).norm() / ref.norm()) < 0.2
+
+
+def test_side_files_are_the_non_weight_files(tmp_path):
+    """Carried over: tokenizer and template files, a README; not: weights of any format, weight indexes, the configs
+    written anew, hidden files, folders."""
+    names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+             "chat_template.jinja", "merges.txt", "README.md", "config.json", "quantization_config.json",
+             "model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
+             "pytorch_model.bin", "pytorch_model.bin.index.json", "consolidated.pth", "model.gguf", ".gitattributes"]
+    for n in names:
+        (tmp_path / n).write_text("x")
+    (tmp_path / "original").mkdir()
+    got = [p.name for p in run_mod.side_files(tmp_path)]
+    assert got == ["README.md", "chat_template.jinja", "generation_config.json", "merges.txt",
+                   "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]

@@ -40,12 +40,30 @@ def check_bits(values: list[float], codebook: str) -> None:
             raise FormatError(f"--bits {k:g}: half-integer bitrates need --codebook mul1 (got --codebook {codebook})")
 
 
+def _quant_method(config_json: Path) -> Optional[str]:
+    """``quantization_config.quant_method`` of a Hugging Face config, or None (unquantized, or unreadable: the
+    load then reports it)."""
+    import json
+    try:
+        qc = json.loads(config_json.read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(qc.get("quant_method")) if isinstance(qc, dict) and qc.get("quant_method") else None
+
+
 def model_path(args: argparse.Namespace) -> tuple[Path, str]:
     """(directory, display name)."""
     if args.model:
         path = Path(args.model).expanduser()
         if not (path / "config.json").is_file():
             raise SystemExit(f"exl3rt: error: --model {path}: not a Hugging Face model directory (no config.json)")
+        method = _quant_method(path / "config.json")
+        if method is not None:
+            hint = (" — already EXL3 (e.g. from `exl3rt quantize`): serve it with vLLM (README, docs/vllm.md)"
+                    if method == "exl3" else "")
+            raise SystemExit(f"exl3rt: error: --model {path}: a quantized checkpoint (quant_method {method!r}){hint}; "
+                             f"this command quantizes an unquantized (BF16/FP16/FP32) model as it loads: point "
+                             f"--model at the original")
         return path, path.name
     from ..models import SMOLLM2_NAME, smollm2_bf16_dir
     from ..models.smollm2 import ModelSourceError

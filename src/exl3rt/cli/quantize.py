@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     err = summary["mean_proxy_err"]
     print(f"wrote {summary['out']}: {summary['linears']} linears ({summary['encoded']} encoded, "
           f"{summary['reused']} resumed), {summary['weights']:,} weights in {summary['seconds']:.1f} s"
-          + (f", mean proxy error {err:.2e}" if err is not None else ""))
+          + (f", mean proxy error {err:.2e}" if err is not None else "")
+          + (f"; copied {', '.join(summary['copied'])}" if summary["copied"] else ""))
     print(f"next: exl3rt inspect {summary['out']}")
     return 0

@@ -4,7 +4,8 @@ Finished layers are published one file each (atomically) under ``OUT/.exl3rt-wor
 together with ``job.json`` (the settings and the source files' sizes and times). A rerun with the
 same settings skips every layer already there and valid; different settings or a changed
 source are refused rather than mixed. When all layers are done the EXL3 checkpoint is written
-(shards, index, configs) and the work folder is removed. A source weight the encoder refuses
+(shards, index, configs) with the source's side files beside it (tokenizer, generation config, chat
+template: every top-level file that holds no weights, :func:`side_files`) and the work folder is removed. A source weight the encoder refuses
 (NaN/inf values, a bad shape: :class:`EncodeError`) ends the run and removes what this run created
 (the work folder, and OUT itself if the run made it): fixing the source changes it, so the layers
 finished before could never be resumed.
@@ -28,7 +29,7 @@ from safetensors.torch import save_file
 from .. import __version__
 from ..encode.errors import EncodeError
 from ..encode.quantize import ENCODER_VERSION, quantize_weight
-from ..format.checkpoint import CONFIG_NAME
+from ..format.checkpoint import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME
 from ..format.checkpoint_write import CheckpointWriter
 from ..format.encoded import EncodedLinear, padded_width
 from ..format.errors import FormatError
@@ -40,6 +41,19 @@ from .plan import ConversionPlan, LinearJob, plan_conversion
 log = logging.getLogger("exl3rt.convert")
 
 WORK_DIR = ".exl3rt-work"
+
+#: weights in other formats (never copied beside the EXL3 checkpoint)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz")
+
+
+def side_files(src_dir: Path) -> list[Path]:
+    """The source directory's top-level files an EXL3 checkpoint carries over unchanged — tokenizer files, the
+    generation config, a chat template, a README: every regular file except weights (by suffix), weight indexes
+    (``*.index.json``), ``config.json`` and ``quantization_config.json`` (written anew) and hidden files."""
+    skip = {CONFIG_NAME, QCONFIG_NAME, INDEX_NAME}
+    return sorted(p for p in Path(src_dir).iterdir()
+                  if p.is_file() and not p.name.startswith(".") and p.name not in skip
+                  and not p.name.endswith(".index.json") and not p.name.endswith(_WEIGHT_SUFFIXES))
 
 
 def module_seed(name: str, seed: int) -> int:
@@ -180,11 +194,16 @@ def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codeboo
             if lin is None:
                 raise EncodeError(f"{job.name}: finished layer vanished from {layers_dir}; rerun to re-encode it")
             writer.add_linear(job.name, lin)
+        copied = []
+        for side in side_files(src.root):          # before finish: config.json marks the checkpoint complete
+            with atomic_path(out / side.name) as tmp:
+                shutil.copyfile(side, tmp)
+            copied.append(side.name)
         config = dict(src.config)
         qfields = {"calibration": {"id": calibration_id} if calibration_id else None, "seed": seed}
         writer.finish(config, quantization_config=qfields)
     shutil.rmtree(work, ignore_errors=True)
     finite = [e for e in errs if e == e]
-    return {"out": str(out), "linears": len(plan.linears), "encoded": encoded, "reused": reused,
+    return {"out": str(out), "linears": len(plan.linears), "encoded": encoded, "reused": reused, "copied": copied,
             "weights": plan.total_weights, "seconds": time.perf_counter() - t0,
             "mean_proxy_err": sum(finite) / len(finite) if finite else None}
