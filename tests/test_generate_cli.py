@@ -99,18 +99,13 @@ def test_bad_bits_refused_before_anything_loads(cmd, bits, tmp_path, capsys, mon
 def test_generate_names_a_refused_weight_in_one_line(tiny, tmp_path, capsys):
     """A NaN weight: ``exl3rt generate`` ends with one ``exl3rt: error:`` line naming the tensor — not transformers'
     load report and RuntimeError — and status 1."""
-    import shutil
+    import logging
 
-    from safetensors.torch import load_file, save_file
+    from tiny_models import nonfinite_copy
 
     src = tmp_path / "nan"
-    shutil.copytree(tiny, src)
-    (st,) = src.glob("*.safetensors")
-    tensors = load_file(str(st))
-    name = next(n for n in tensors if n.endswith("self_attn.q_proj.weight"))
-    tensors[name][1, 2] = float("inf")
-    save_file(tensors, str(st), metadata={"format": "pt"})
-    import logging
+    (name,) = nonfinite_copy(tiny, src, lambda names: [n for n in names if n.endswith("self_attn.q_proj.weight")],
+                             float("inf"), at=(1, 2))
 
     seen: list[str] = []
 

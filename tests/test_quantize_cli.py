@@ -13,7 +13,7 @@ from exl3rt.convert import run as run_mod  # noqa: E402
 from exl3rt.convert.run import WORK_DIR  # noqa: E402
 from exl3rt.format import Exl3Checkpoint  # noqa: E402
 
-from tiny_models import calibration_text, tiny_llama, tiny_qwen_moe  # noqa: E402
+from tiny_models import calibration_text, nonfinite_copy, tiny_llama, tiny_qwen_moe  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -140,17 +140,8 @@ def test_refused_weight_changes_nothing_on_disk(src, tmp_path, capsys, existing)
     """A NaN in the fourth linear: one error line naming it, status 1, and what the run made is gone — OUT itself
     when the run created it, the work folder when OUT existed (empty) before; a resumed run leaves the work folder
     (another run's layers with the same settings) in place."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     bad = tmp_path / "bad-src"
-    shutil.copytree(src, bad)
-    (st,) = bad.glob("*.safetensors")
-    tensors = load_file(str(st))
-    names = sorted(n for n in tensors if n.endswith("_proj.weight"))
-    tensors[names[3]][0, 1] = float("nan")
-    save_file(tensors, str(st), metadata={"format": "pt"})
+    (picked,) = nonfinite_copy(src, bad, lambda names: [n for n in names if n.endswith("_proj.weight")][3:4], at=(0, 1))
     out = tmp_path / "out"
     if existing == "empty":
         out.mkdir()
@@ -172,7 +163,7 @@ def test_refused_weight_changes_nothing_on_disk(src, tmp_path, capsys, existing)
     capsys.readouterr()
     assert main(["quantize", str(bad), str(out), "--bits", "3", "--quiet"]) == 1
     err = capsys.readouterr().err
-    layer = names[3].rsplit(".", 1)[0]
+    layer = picked.rsplit(".", 1)[0]
     assert err.startswith(f"exl3rt: error: {layer}: 1 non-finite value(s)") and err.count("\n") == 1
     if existing == "none":
         assert not out.exists()

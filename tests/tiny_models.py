@@ -74,3 +74,20 @@ def tiny_qwen_moe(path: Path, *, layers: int = 2, experts: int = 4, seed: int = 
     if tokenizer:
         save_tokenizer(path)
     return path
+
+
+def nonfinite_copy(src: Path, dst: Path, names, value: float = float("nan"), at: tuple[int, int] = (0, 0)) -> list[str]:
+    """Copy the one-shard model directory ``src`` to ``dst`` with ``value`` (NaN, inf) at ``at`` in the weights that
+    ``names(all weight names, sorted)`` picks; returns the picked names."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    (st,) = Path(dst).glob("*.safetensors")
+    tensors = load_file(str(st))
+    picked = list(names(sorted(tensors)))
+    for n in picked:
+        tensors[n][at] = value
+    save_file(tensors, str(st), metadata={"format": "pt"})
+    return picked

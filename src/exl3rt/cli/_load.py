@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -43,7 +44,6 @@ def check_bits(values: list[float], codebook: str) -> None:
 def _quant_method(config_json: Path) -> Optional[str]:
     """``quantization_config.quant_method`` of a Hugging Face config, or None (unquantized, or unreadable: the
     load then reports it)."""
-    import json
     try:
         qc = json.loads(config_json.read_text()).get("quantization_config")
     except (OSError, ValueError, AttributeError):

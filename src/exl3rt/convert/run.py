@@ -5,10 +5,10 @@ together with ``job.json`` (the settings and the source files' sizes and times).
 same settings skips every layer already there and valid; different settings or a changed
 source are refused rather than mixed. When all layers are done the EXL3 checkpoint is written
 (shards, index, configs) with the source's side files beside it (tokenizer, generation config, chat
-template: every top-level file that holds no weights, :func:`side_files`) and the work folder is removed. A source weight the encoder refuses
-(NaN/inf values, a bad shape: :class:`EncodeError`) ends the run and removes what this run created
-(the work folder, and OUT itself if the run made it): fixing the source changes it, so the layers
-finished before could never be resumed.
+template: every top-level file that holds no weights, :func:`side_files`) and the work folder is
+removed. A source weight the encoder refuses (NaN/inf values, a bad shape: :class:`EncodeError`)
+ends the run and removes what this run created (the work folder, and OUT itself if the run made
+it): fixing the source changes it, so the layers finished before could never be resumed.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from .. import __version__
 from ..encode.errors import EncodeError
 from ..encode.quantize import ENCODER_VERSION, quantize_weight
-from ..format.checkpoint import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME
+from ..format.checkpoint import CONFIG_NAME, QCONFIG_NAME
 from ..format.checkpoint_write import CheckpointWriter
 from ..format.encoded import EncodedLinear, padded_width
 from ..format.errors import FormatError
@@ -50,10 +50,9 @@ def side_files(src_dir: Path) -> list[Path]:
     """The source directory's top-level files an EXL3 checkpoint carries over unchanged — tokenizer files, the
     generation config, a chat template, a README: every regular file except weights (by suffix), weight indexes
     (``*.index.json``), ``config.json`` and ``quantization_config.json`` (written anew) and hidden files."""
-    skip = {CONFIG_NAME, QCONFIG_NAME, INDEX_NAME}
     return sorted(p for p in Path(src_dir).iterdir()
-                  if p.is_file() and not p.name.startswith(".") and p.name not in skip
-                  and not p.name.endswith(".index.json") and not p.name.endswith(_WEIGHT_SUFFIXES))
+                  if p.is_file() and not p.name.startswith(".") and p.name not in (CONFIG_NAME, QCONFIG_NAME)
+                  and not p.name.endswith((".index.json", *_WEIGHT_SUFFIXES)))
 
 
 def module_seed(name: str, seed: int) -> int:
