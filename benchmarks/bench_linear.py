@@ -133,7 +133,7 @@ def check(codes, codebook, bits, dev):
     for rows in (1, 4, 16, 64, 200):
         x = torch.randn(rows, tr.shape[0] * 16, device=dev)
         y = kl.exl3_linear(x, tr, suh, svh, codebook)
-        path = kl.choose_path(rows, wgmma=wgmma_here())
+        path = kl.choose_path(rows, wgmma=wgmma_here(), bits=bits)
         res[f"rel_rows{rows}_{path}"] = e = rel(y, x.double() @ w)
         ok = ok and bool(torch.isfinite(y).all()) and e < TOL[path]
     del w
@@ -229,7 +229,7 @@ def main(argv=None):
                 us = time_graphs(fns, args.iters)
                 row = {"in": in_p, "out": out_p, "K": bits, "rows": r, "us": us, "bf16_us": bf16[r],
                        "batched_us": time_batched(fns, args.iters), "bf16_batched_us": bf16_b[r],
-                       "path": kl.choose_path(r, wgmma=wgmma_here()),
+                       "path": kl.choose_path(r, wgmma=wgmma_here(), bits=bits),
                        "exllamav3_us": ANCHORS.get((in_p, out_p, bits, r))}
                 others = {1: ("gemv",), 4: ("gemv", "decode_mm"), 16: ("decode_mm",), 64: ("mma", "decode_mm"),
                           256: ("decode_mm",), 2048: ("wgmma",) if wgmma_here() else ()}.get(r, ())

@@ -270,10 +270,15 @@ def test_dispatch_and_prewarm_buckets():
     assert [kl.default_mma_config(r).swap for r in (1, 8, 9)] == [True, True, False]
     assert len({kl.specialization(r) for r in kl.PREWARM_ROWS}) == len(kl.PREWARM_ROWS)
     assert len({kl.specialization(r, 4, True) for r in kl.WGMMA_PREWARM_ROWS}) == len(kl.WGMMA_PREWARM_ROWS)
-    # where the wgmma kernel runs (Hopper): 33-256 and 417-512 rows, in three row buckets, decode + cuBLAS
-    # between (one mostly empty 256-row block) and above (three blocks)
-    assert [kl.choose_path(r, wgmma=True) for r in (32, 33, 64, 65, 256, 257, 416, 417, 512, 513, 640)] == \
-        ["mma"] + ["wgmma"] * 4 + ["decode_mm"] * 2 + ["wgmma"] * 2 + ["decode_mm"] * 2
+    # where the wgmma kernel runs (Hopper): 17-256 and 417-512 rows, in five row buckets, decode + cuBLAS
+    # between (one mostly empty 256-row block) and above (three blocks); from 9 rows at K other than 1, 2, 4
+    assert [kl.choose_path(r, wgmma=True) for r in (16, 17, 32, 33, 64, 65, 256, 257, 416, 417, 512, 513, 640)] == \
+        ["mma"] + ["wgmma"] * 6 + ["decode_mm"] * 2 + ["wgmma"] * 2 + ["decode_mm"] * 2
+    for bits in (1, 2, 4, 3, 2.5, 3.5, 5, 6, 8):
+        first = 17 if bits in (1, 2, 4) else 9
+        assert [kl.choose_path(r, wgmma=True, bits=bits) for r in (8, first - 1, first, 17, 32)] == \
+            ["mma", "mma"] + ["wgmma"] * 3, bits
+        assert [kl.choose_path(r, bits=bits) for r in (9, 16, 17, 32)] == ["mma"] * 4, bits    # no wgmma kernel
     # every row count maps to a bucket that the prewarm rows cover, at every K, with and without wgmma
     for bits in (2, 3, 4, 5, 6, 8, 2.5):
         assert {kl.specialization(r, bits) for r in range(1, 300)} <= {kl.specialization(r, bits) for r in kl.PREWARM_ROWS}

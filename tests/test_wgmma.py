@@ -30,7 +30,8 @@ hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA device of comput
 
 
 def test_row_buckets_and_splits():
-    assert [wg.default_wgmma_config(r).block_rows for r in (33, 64, 65, 128, 129, 640)] == [64, 64, 128, 128, 256, 256]
+    assert [wg.default_wgmma_config(r).block_rows for r in (1, 9, 16, 17, 32, 33, 64, 65, 128, 129, 640)] == \
+        [16, 16, 16, 32, 32, 64, 64, 128, 128, 256, 256]
     for k_tiles in (8, 24, 256, 896):
         for programs in (1, 7, 64, 224, 5000):
             for target in (256, 1024):
@@ -47,10 +48,11 @@ def test_padded_rows_are_whole_row_blocks():
     """x' buffers of the wgmma path hold whole row blocks (a TMA box past the end of x' is slow)."""
     assert [wg.padded_rows(r, wg.WGMMA_256) for r in (129, 256, 257, 512)] == [256, 256, 512, 512]
     assert [wg.padded_rows(r, wg.WGMMA_64) for r in (33, 64, 65)] == [64, 64, 128]
-    assert [wg.padded_rows(r, wg.default_wgmma_config(r)) for r in (33, 65, 100, 129, 300)] == [64, 128, 128, 256, 512]
+    assert [wg.padded_rows(r, wg.default_wgmma_config(r)) for r in (9, 17, 33, 65, 100, 129, 300)] == \
+        [16, 32, 64, 128, 128, 256, 512]
 
 
-@pytest.mark.parametrize("rows", [33, 100, 129, 460])
+@pytest.mark.parametrize("rows", [9, 20, 33, 100, 129, 460])
 def test_wgmma_path_hands_the_kernel_whole_row_blocks(rows, monkeypatch):
     """``exl3_linear``'s wgmma path, host side (the kernel replaced by a recorder that returns x'·Q in float64, so
     this runs anywhere): x' holds whole row blocks of the row bucket's configuration, the kernel is told the real
@@ -88,7 +90,7 @@ def test_off_hopper_it_is_never_chosen_and_says_why(monkeypatch):
 @hopper
 @pytest.mark.parametrize("bits,codebook", [(2, "mcg"), (3, "mcg"), (4, "mcg"), (5, "3inst"), (6, "mcg"), (8, "mcg"),
                                            (2.5, "mul1"), (4, "mul1"), (3, "3inst")])
-@pytest.mark.parametrize("rows", [33, 100, 300])
+@pytest.mark.parametrize("rows", [13, 29, 33, 100, 300])
 def test_kernel_against_float64(bits, codebook, rows):
     """Partials summed over the K splits equal x'·Q in float64 (Q decoded by ``format.decode``)."""
     in_p, out_p = 1024, 512
@@ -128,11 +130,13 @@ def test_rows_past_the_product_are_read_never_stored(rows):
 
 
 @hopper
-@pytest.mark.parametrize("rows", [33, 65, 129, 200, 417, 512])
-def test_exl3_linear_takes_the_wgmma_path(rows):
-    """``exl3_linear`` picks the wgmma kernel for 33-256 and 417-512 rows and equals the float64 layer (x' in fp16)."""
-    tr, suh, svh = _codes(2048, 1024, 4, seed=rows)
-    assert kl.choose_path(rows, wgmma=True) == "wgmma"
+@pytest.mark.parametrize("rows,bits", [(9, 6), (16, 3), (17, 4), (31, 2), (33, 4), (65, 4), (129, 4), (200, 4),
+                                       (417, 4), (512, 4)])
+def test_exl3_linear_takes_the_wgmma_path(rows, bits):
+    """``exl3_linear`` picks the wgmma kernel for 17-256 and 417-512 rows (from 9 at K other than 1, 2, 4) and
+    equals the float64 layer (x' in fp16)."""
+    tr, suh, svh = _codes(2048, 1024, bits, seed=rows)
+    assert kl.choose_path(rows, wgmma=True, bits=bits) == "wgmma"
     x = torch.randn(rows, 2048, device=DEV)
     y = kl.exl3_linear(x, tr, suh, svh, "mcg")
     ref = x.double() @ reconstruct(tr, suh, svh, "mcg", dtype=torch.float64)
@@ -196,13 +200,14 @@ def test_builds_see_the_language_as_imported():
 @pytest.mark.skipif(not wg.HAVE_GLUON, reason="Triton without Gluon")
 @pytest.mark.parametrize("bits,codebook,cfg", [(4, "mcg", wg.WGMMA_256), (3, "mcg", wg.WGMMA_128),
                                                (6, "3inst", wg.WGMMA_64), (2.5, "mul1", wg.WGMMA_256),
-                                               (3, "mcg", wg.WGMMA_256), (6, "mcg", wg.WGMMA_256)])
+                                               (3, "mcg", wg.WGMMA_256), (6, "mcg", wg.WGMMA_256),
+                                               (6, "mcg", wg.WGMMA_16), (4, "mul1", wg.WGMMA_32)])
 def test_kernel_builds_for_sm90_without_a_gpu(bits, codebook, cfg):
     """The Gluon kernel compiles for sm_90 with this machine's Triton (CI's, whatever its version: Gluon's API
     moves), the decoded registers become the wgmma A operand without data movement (the build asserts it; the
     SASS has no shared-memory loads or stores besides TMA and the barriers), each chunk is 4 HGMMAs (the
     overlapped loop has 3 chunk sites: even, odd, a last odd chunk), no instruction writes the A registers
-    of a wgmma in flight, and with PDL (BR 64) the grid dependency wait sits between the first weight loads and
+    of a wgmma in flight, and with PDL (BR 16, 32, 64) the grid dependency wait sits between the first weight loads and
     the first x' copy."""
     sass = _build_sm90(bits, codebook, cfg)
     if sass is None:

@@ -7,16 +7,17 @@
 
 * ``gemv`` (only on request, ``path="gemv"``, ≤ 16 rows): pre-pass ``x' = (x ⊙ suh)·Hk`` in fp32, ``gemv._gemv_kernel`` (FFMA,
   decode on the fly) writes fp32 split-K partials, post-pass ``y = (Σ_s z[s])·Hn ⊙ svh``;
-* ``mma`` (1–64 rows): the same passes around ``mma._mma_kernel`` — each lane
-  decodes its own ``mma.m16n8k16`` B fragment (the EXL3 tile order is that fragment order), x' in
-  fp16 written by the pre-pass in fragment order (one vector load per lane and k-tile), fp32
-  accumulators; the decode costs the same for 1 or 16 rows, and at 17–32 (33–64) rows one decode
-  feeds two (four) 16-row blocks (``MmaConfig.row_blocks``); up to 8 rows the decoded tile is the mma's A operand and
-  x'ᵀ the B operand (``MmaConfig.swap``: one mma per tile); ``MmaConfig.ksplit`` (a program's warps
-  split its k-tiles) is kept as an option;
-* ``wgmma`` (33–256 and 417–512 rows, Hopper only: :func:`exl3rt.kernels.wgmma.available`): the same passes (x' row-major)
-  around ``wgmma._wgmma_kernel`` — each warp decodes one n-tile's k-tiles straight into the registers of a
-  warpgroup MMA's A operand (Qᵀ), x'ᵀ the B operand through TMA into shared memory;
+* ``mma`` (1–64 rows; where the wgmma kernel runs 1–8, and 9–16 at K 1, 2 and 4): the same passes around
+  ``mma._mma_kernel`` — each lane decodes its own ``mma.m16n8k16`` B fragment (the EXL3 tile order is that
+  fragment order), x' in fp16 written by the pre-pass in fragment order (one vector load per lane and k-tile),
+  fp32 accumulators; the decode costs the same for 1 or 16 rows, and at 17–32 (33–64) rows one decode feeds two
+  (four) 16-row blocks (``MmaConfig.row_blocks``); up to 8 rows the decoded tile is the mma's A operand and x'ᵀ
+  the B operand (``MmaConfig.swap``: one mma per tile); ``MmaConfig.ksplit`` (a program's warps split its
+  k-tiles) is kept as an option;
+* ``wgmma`` (17–256 and 417–512 rows, from 9 rows at K other than 1, 2 and 4; Hopper only:
+  :func:`exl3rt.kernels.wgmma.available`): the same passes (x' row-major) around ``wgmma._wgmma_kernel`` —
+  each warp decodes one n-tile's k-tiles straight into the registers of a warpgroup MMA's A operand (Qᵀ),
+  x'ᵀ the B operand through TMA into shared memory;
 * ``decode_mm`` (more rows, 257–416, or 65+ rows without wgmma): ``gemv._decode_kernel`` writes Q (fp16, bit-exact)
   once and cuBLAS computes ``x'·Q`` (fp16 operands, fp32 output), then the post-pass.
 
@@ -343,21 +344,29 @@ MMA_MAX_ROWS = 64  # the mma GEMV decodes once per 8 / 16 / 32 / 64 rows; above,
 # 132.9 / 136.9 vs 134.1 / 124.1 / 142.7); from 448 rows the wgmma kernel again (4096x14336 448 rows 135.3 vs
 # 153.4, 512 rows 129.5-150.4 vs 133.8-150.3); 513+ rows would take three row blocks (576 rows 267-339 µs vs
 # 158.8-165.5 with decode + cuBLAS)
-WGMMA_MIN_ROWS = 33
+# H200, 2026-12-02 (fifteenth session, whole calls, one graph of 32 calls, three shapes): with 32 / 16 rows per
+# program (wgmma.WGMMA_32 / WGMMA_16) the wgmma kernel beats the mma GEMV at 17-32 rows for every K and codebook
+# (rows 32: 0.68-0.94x its time; rows 17: 0.72-0.96x) and at 9-16 rows for K 3, 5, 6, 8, 3.5 (K6 rows 16:
+# 0.91-0.95x; K3 0.98-1.00x), not for K 2 and 4 (1.02-1.06x, both codebooks)
+WGMMA_MIN_ROWS = 17
+WGMMA_MIN_ROWS_WIDE = 9      # ... at a K outside MMA_16_BITS
+MMA_16_BITS = (1.0, 2.0, 4.0)  # K at which 9-16 rows stay on the mma GEMV (K1 by its likeness to K2)
 WGMMA_MAX_ROWS = 512
 WGMMA_GAP = (257, 416)
 
 
-def choose_path(rows: int, gemv_max_rows: int = GEMV_DISPATCH_ROWS, wgmma: bool = False) -> str:
+def choose_path(rows: int, gemv_max_rows: int = GEMV_DISPATCH_ROWS, wgmma: bool = False, bits: Bits = 4) -> str:
     """``gemv`` (fp32 FFMA decode-on-the-fly) up to ``gemv_max_rows`` rows (none by default),
     ``mma`` (warp-level tensor-core GEMV) up to :data:`MMA_MAX_ROWS`, else ``decode_mm`` (Q to
     fp16, then cuBLAS); with ``wgmma`` (the device runs it, :func:`exl3rt.kernels.wgmma.available`)
-    ``wgmma`` from :data:`WGMMA_MIN_ROWS` to :data:`WGMMA_MAX_ROWS` rows, except :data:`WGMMA_GAP`
-    (257–416 rows: the kernel's second 256-row block mostly empty, decode + cuBLAS faster)."""
+    ``wgmma`` from :data:`WGMMA_MIN_ROWS` rows (:data:`WGMMA_MIN_ROWS_WIDE` at a K of ``bits`` outside
+    :data:`MMA_16_BITS`) to :data:`WGMMA_MAX_ROWS`, except :data:`WGMMA_GAP` (257–416 rows: the kernel's second
+    256-row block mostly empty, decode + cuBLAS faster)."""
     if rows <= min(gemv_max_rows, GEMV_MAX_ROWS):
         return "gemv"
-    if wgmma and WGMMA_MIN_ROWS <= rows <= WGMMA_MAX_ROWS and not WGMMA_GAP[0] <= rows <= WGMMA_GAP[1]:
-        return "wgmma"
+    if wgmma and rows <= WGMMA_MAX_ROWS and not WGMMA_GAP[0] <= rows <= WGMMA_GAP[1]:
+        if rows >= (WGMMA_MIN_ROWS if float(bits) in MMA_16_BITS else WGMMA_MIN_ROWS_WIDE):
+            return "wgmma"
     return "mma" if rows <= MMA_MAX_ROWS else "decode_mm"
 
 
@@ -385,7 +394,7 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
     if rows == 0:
         return y
     if path == "auto":
-        path = choose_path(rows, gemv_max_rows, _wg.available(x.device))
+        path = choose_path(rows, gemv_max_rows, _wg.available(x.device), kbits)
     if path == "gemv":
         if rows > GEMV_MAX_ROWS:
             raise ValueError(f"path='gemv' takes at most {GEMV_MAX_ROWS} rows, got {rows}")
@@ -433,7 +442,7 @@ def specialization(rows: int, bits: Bits = 4, wgmma: bool = False) -> tuple:
     """The kernel specializations ``exl3_linear`` uses for ``rows`` (per layer shape, K and codebook;
     ``wgmma``: on a device that runs the wgmma kernel): the path, its launch configuration and the
     Hadamard passes' row block (the kernels do not specialize on ``rows`` itself)."""
-    path = choose_path(rows, wgmma=wgmma)
+    path = choose_path(rows, wgmma=wgmma, bits=bits)
     cfg = (default_mma_config(rows, bits) if path == "mma" else
            _wg.default_wgmma_config(rows) if path == "wgmma" else None)
     return (path, cfg, min(16, next_pow2(rows)))
@@ -480,5 +489,6 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Optional[Iterabl
 
 __all__ = ["exl3_linear", "gemv_rotated", "decode_fp16", "prewarm", "prewarm_rows", "GemvConfig", "DecodeConfig",
            "MmaConfig", "mma_rotated", "use_atomic", "xfrag_rows", "choose_path", "default_mma_config", "specialization",
-           "PREWARM_ROWS", "WGMMA_PREWARM_ROWS", "WGMMA_MIN_ROWS", "WGMMA_MAX_ROWS", "WGMMA_GAP", "MMA_MAX_ROWS",
+           "PREWARM_ROWS", "WGMMA_PREWARM_ROWS", "WGMMA_MIN_ROWS", "WGMMA_MIN_ROWS_WIDE", "MMA_16_BITS", "WGMMA_MAX_ROWS",
+           "WGMMA_GAP", "MMA_MAX_ROWS",
            "GEMV_MAX_ROWS", "GEMV_DISPATCH_ROWS", "interpreting", "gemv_splits"]

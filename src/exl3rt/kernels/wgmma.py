@@ -1,5 +1,5 @@
-"""Decode-on-the-fly EXL3 GEMM with Hopper warpgroup MMA (Gluon): 33–512 rows on sm_90 (``linear.choose_path``
-sends 257–416 rows to decode + cuBLAS).
+"""Decode-on-the-fly EXL3 GEMM with Hopper warpgroup MMA (Gluon): 17–512 rows on sm_90, 9–512 at K other than
+1, 2 and 4 (``linear.choose_path`` sends 257–416 rows to decode + cuBLAS).
 
 Split-K partials ``z[split, m, n] = Σ_{k in split} x'[m, k]·Q[k, n]`` like :mod:`exl3rt.kernels.mma`, but with
 ``wgmma`` and the roles of the operands swapped: one program is one warpgroup (4 warps) and computes
@@ -63,7 +63,7 @@ except Exception:  # pragma: no cover - no Triton, or a Triton without these nam
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    """``block_rows``: rows per program (the wgmma's N: 64, 128 or 256); ``stages``: x' buffers in flight;
+    """``block_rows``: rows per program (the wgmma's N: 16, 32, 64, 128 or 256); ``stages``: x' buffers in flight;
     ``target_programs``: column groups × K splits the split aims at (each split at least 2 chunks of K);
     ``overlap``: decode chunk c + 1 while chunk c's wgmma runs (one wgmma group in flight) instead of waiting
     for each chunk's wgmma before decoding the next; ``pdl``: ``exl3_linear`` launches the call's three
@@ -94,10 +94,21 @@ WGMMA_128 = WgmmaConfig(block_rows=128, stages=3, target_programs=512)
 # 47.7-48.7 / 42.6-44.5 vs 48.0-48.9 / 44.3-46.8; at 128 rows +4.4 µs on 4096×14336 (-2 on 14336×4096), 256
 # rows ±0.6, 512 rows +4.3-7.0: the early-launched next grid takes room from the multi-wave wgmma grid
 WGMMA_64 = WgmmaConfig(block_rows=64, stages=4, target_programs=1024, pdl=True)
+# 17-32 rows: 32 rows per program, 3 buffers, ~1536 programs (H200, 2026-12-02, fifteenth session, whole calls,
+# one graph of 32 calls, three shapes, K 2-8, all codebooks: rows 32 K4 31.8 / 30.1 / 33.8 µs vs 42.0 / 40.0 /
+# 43.6 with the mma GEMV's two 16-row blocks, K6 35.1 / 33.4 / 37.0 vs 49.5 / 37.7 / 46.5; 64 rows per program
+# 42.7-53.7 at rows 32; ~512 / 768 / 1024 programs and 2 / 4 buffers within 1-10 % behind)
+WGMMA_32 = WgmmaConfig(block_rows=32, stages=3, target_programs=1536, pdl=True)
+# 9-16 rows (where linear.choose_path sends them here: K other than 1, 2, 4): 16 rows per program, 2 buffers,
+# ~1536 programs (same run, rows 16 K6 31.1 / 30.6 / 33.2 µs vs 32.8 / 32.7 / 36.0 with the mma GEMV; ~1024 /
+# 1280 / 2048 / 3072 programs, 3-4 buffers and the overlapped loop 0-10 % behind)
+WGMMA_16 = WgmmaConfig(block_rows=16, stages=2, target_programs=1536, pdl=True)
 
 
 def default_wgmma_config(rows: int) -> WgmmaConfig:
-    """The launch configuration for ``rows`` (one of three row buckets: ≤ 64, ≤ 128, more)."""
+    """The launch configuration for ``rows`` (one of five row buckets: ≤ 16, ≤ 32, ≤ 64, ≤ 128, more)."""
+    if rows <= 32:
+        return WGMMA_16 if rows <= 16 else WGMMA_32
     if rows <= 64:
         return WGMMA_64
     return WGMMA_128 if rows <= 128 else WGMMA_256
@@ -388,4 +399,4 @@ def _x_layout(block_rows: int):
 __all__ = ["HAVE_GLUON", "WgmmaConfig", "available", "default_wgmma_config", "kernel_constants", "padded_rows",
            "wgmma_rotated",
            "wgmma_splits",
-           "WGMMA_64", "WGMMA_128", "WGMMA_256"]
+           "WGMMA_16", "WGMMA_32", "WGMMA_64", "WGMMA_128", "WGMMA_256"]
