@@ -97,9 +97,12 @@ def test_kernel_against_float64(bits, codebook, rows):
     tr, _, _ = _codes(in_p, out_p, bits, seed=int(10 * bits) + rows)
     q = decode(tr, bits, codebook).double()
     x = torch.randn(rows, in_p, device=DEV).half()
-    # the row bucket's own configuration; many splits with 2 buffers; both chunk loops with 1 and 3 chunks
-    # per split (64 k-tiles in 6 splits: 12, 12, 12, 12, 12, 4 k-tiles) and the overlapped loop with 2 buffers
+    # the row bucket's own configuration; many splits with 2 buffers; the chunk loops with 1 and 3 chunks per
+    # split (64 k-tiles in 6 splits: 12, 12, 12, 12, 12, 4 k-tiles), the paired loop with 3 and 4, and the
+    # overlapped loop with 2 buffers
     for cfg in (None, wg.WgmmaConfig(block_rows=64, stages=2, target_programs=10_000),
+                wg.WgmmaConfig(block_rows=16, stages=2, target_programs=48, pair=True),   # 12 k-tiles: 3 chunks
+                wg.WgmmaConfig(block_rows=32, stages=3, target_programs=32, pair=True),   # 16 k-tiles: 4 chunks
                 wg.WgmmaConfig(block_rows=256, stages=3, target_programs=48, overlap=True),
                 wg.WgmmaConfig(block_rows=128, stages=3, target_programs=48),
                 wg.WgmmaConfig(block_rows=64, stages=2, target_programs=10_000, overlap=True)):
@@ -206,13 +209,13 @@ def test_kernel_builds_for_sm90_without_a_gpu(bits, codebook, cfg):
     """The Gluon kernel compiles for sm_90 with this machine's Triton (CI's, whatever its version: Gluon's API
     moves), the decoded registers become the wgmma A operand without data movement (the build asserts it; the
     SASS has no shared-memory loads or stores besides TMA and the barriers), each chunk is 4 HGMMAs (the
-    overlapped loop has 3 chunk sites: even, odd, a last odd chunk), no instruction writes the A registers
-    of a wgmma in flight, and with PDL (BR 16, 32, 64) the grid dependency wait sits between the first weight loads and
-    the first x' copy."""
+    overlapped and the paired loops have 3 chunk sites: even, odd, a last odd chunk), no instruction writes the
+    A registers of a wgmma in flight, and with PDL (BR 16, 32, 64) the grid dependency wait sits between the
+    first weight loads and the first x' copy."""
     sass = _build_sm90(bits, codebook, cfg)
     if sass is None:
         pytest.skip("no nvdisasm next to Triton's ptxas")
-    assert sass.count("HGMMA.64x%dx16" % cfg.block_rows) == (12 if cfg.overlap else 4)
+    assert sass.count("HGMMA.64x%dx16" % cfg.block_rows) == (12 if cfg.overlap or cfg.pair else 4)
     for op in ("STS", "LDS", "STSM", "LDSM"):
         assert f" {op}" not in sass and f"{op}." not in sass, op
     assert inflight_a_writes(sass) == []

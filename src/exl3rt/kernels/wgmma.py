@@ -67,13 +67,15 @@ class WgmmaConfig:
     ``target_programs``: column groups × K splits the split aims at (each split at least 2 chunks of K);
     ``overlap``: decode chunk c + 1 while chunk c's wgmma runs (one wgmma group in flight) instead of waiting
     for each chunk's wgmma before decoding the next; ``pdl``: ``exl3_linear`` launches the call's three
-    kernels with programmatic dependent launch (where the device and Triton support it)."""
+    kernels with programmatic dependent launch (where the device and Triton support it); ``pair`` (with the
+    waiting loop and ``stages`` >= 2): decode two chunks, then issue both wgmmas and wait once."""
     block_rows: int = 256
     stages: int = 3
     target_programs: int = 256
     maxnreg: int = 0          # a register cap per thread (0: ptxas decides)
     overlap: bool = False
     pdl: bool = False
+    pair: bool = False
 
 
 # H200, 2026-12-01, kernel alone, 8 rotated weight copies, one graph per call (4096×14336 / 14336×4096, K4):
@@ -101,8 +103,10 @@ WGMMA_64 = WgmmaConfig(block_rows=64, stages=4, target_programs=1024, pdl=True)
 WGMMA_32 = WgmmaConfig(block_rows=32, stages=3, target_programs=1536, pdl=True)
 # 9-16 rows (where linear.choose_path sends them here: K other than 1, 2, 4): 16 rows per program, 2 buffers,
 # ~1536 programs (same run, rows 16 K6 31.1 / 30.6 / 33.2 µs vs 32.8 / 32.7 / 36.0 with the mma GEMV; ~1024 /
-# 1280 / 2048 / 3072 programs, 3-4 buffers and the overlapped loop 0-10 % behind)
-WGMMA_16 = WgmmaConfig(block_rows=16, stages=2, target_programs=1536, pdl=True)
+# 1280 / 2048 / 3072 programs, 3-4 buffers and the overlapped loop 0-10 % behind), two chunks per wgmma wait
+# (next run: K3 29.9 / 29.0 / 31.2 µs vs 30.2 / 29.6 / 32.3 one chunk per wait, K6 31.2 / 30.6 / 32.9 vs 31.2 /
+# 30.7 / 33.3; with 3-4 buffers slower; at 32 rows per program no gain)
+WGMMA_16 = WgmmaConfig(block_rows=16, stages=2, target_programs=1536, pdl=True, pair=True)
 
 
 def default_wgmma_config(rows: int) -> WgmmaConfig:
@@ -257,11 +261,46 @@ if HAVE_GLUON:
         return acc
 
     @gluon.jit
+    def _paired_chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
+                       TEXT: gl.constexpr, CONS: gl.constexpr, NWL: gl.constexpr, DOT: gl.constexpr,
+                       STAGES: gl.constexpr):
+        """The waiting loop two chunks at a time (``WgmmaConfig.pair``, STAGES >= 2): both chunks decoded, both
+        wgmmas issued, one wait for both, then both buffers refilled; an odd last chunk alone. ``wc``: the first
+        chunk's words."""
+        wd = _chunk_words(wb, _KC * kstride, kstride, nchunks > 1, idx, NWL)
+        for c2 in range(nchunks // 2):
+            c = 2 * c2
+            a_ev = _a_operand(wc, rsh, xorc, TEXT, CONS, NWL, DOT)
+            a_od = _a_operand(wd, rsh, xorc, TEXT, CONS, NWL, DOT)
+            wc = _chunk_words(wb, (c + 2) * _KC * kstride, kstride, c + 2 < nchunks, idx, NWL)
+            wd = _chunk_words(wb, (c + 3) * _KC * kstride, kstride, c + 3 < nchunks, idx, NWL)
+            st = c % STAGES
+            mbarrier.wait(bars.index(st), (c // STAGES) & 1)
+            acc = warpgroup_mma(a_ev, xs.index(st).permute((1, 0)), acc, is_async=True)
+            st1 = (c + 1) % STAGES
+            mbarrier.wait(bars.index(st1), ((c + 1) // STAGES) & 1)
+            acc = warpgroup_mma(a_od, xs.index(st1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            _refill(x_desc, xs, bars, st, m0, a0 + (c + STAGES) * _KC, c + STAGES < nchunks)
+            _refill(x_desc, xs, bars, st1, m0, a0 + (c + 1 + STAGES) * _KC, c + 1 + STAGES < nchunks)
+        if nchunks % 2 == 1:
+            c = nchunks - 1
+            a = _a_operand(wc, rsh, xorc, TEXT, CONS, NWL, DOT)
+            st = c % STAGES
+            mbarrier.wait(bars.index(st), (c // STAGES) & 1)
+            acc = warpgroup_mma(a, xs.index(st).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        return acc
+
+    @gluon.jit
     def _chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
                 TEXT: gl.constexpr, CONS: gl.constexpr, NWL: gl.constexpr, DOT: gl.constexpr,
-                STAGES: gl.constexpr, OVERLAP: gl.constexpr):
+                STAGES: gl.constexpr, OVERLAP: gl.constexpr, PAIR: gl.constexpr = False):
         """``acc`` + the program's K range: x' boxes already requested for the first ``STAGES`` chunks."""
-        if OVERLAP:
+        if PAIR:
+            acc = _paired_chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
+                                 TEXT, CONS, NWL, DOT, STAGES)
+        elif OVERLAP:
             acc = _overlapped_chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
                                      TEXT, CONS, NWL, DOT, STAGES)
         else:
@@ -293,7 +332,7 @@ if HAVE_GLUON:
     def _wgmma_kernel(x_desc, w_ptr, z_ptr, rows, k_tiles, n_tiles, k_per, stride_zs, one,
                       KA: gl.constexpr, HALF: gl.constexpr, NWL: gl.constexpr, TEXT: gl.constexpr,
                       CONS: gl.constexpr, BR: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                      PDL: gl.constexpr = False):
+                      PDL: gl.constexpr = False, PAIR: gl.constexpr = False):
         """Program (pid_n, pid_m, pid_k): columns ``64·pid_n …``, rows ``BR·pid_m …``, k-tiles
         ``[pid_k·k_per, …)`` of ``z[pid_k] = x'·Q``; ``x_desc``: TMA descriptor of x' ([rows, K] fp16,
         ``[BR, 64]`` boxes). ``PDL`` (programmatic dependent launch): the next kernel may launch now; the
@@ -321,7 +360,7 @@ if HAVE_GLUON:
         for s in gl.static_range(STAGES):
             _refill(x_desc, xs, bars, s, m0, a0 + s * _KC, s < nchunks)
         acc = _chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
-                      TEXT, CONS, NWL, DOT, STAGES, OVERLAP)
+                      TEXT, CONS, NWL, DOT, STAGES, OVERLAP, PAIR)
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
         nn = gl.arange(0, 16 * _WARPS, layout=gl.SliceLayout(1, MMA))
@@ -385,7 +424,7 @@ def kernel_constants(bits, codebook: str, cfg: WgmmaConfig, pdl: bool = False) -
     ka, half = _kernel_bits(bits)
     text, cons, _ = lane_decode_ptx(ka, half, *_cb_args(codebook))
     out = dict(KA=ka, HALF=half, NWL=lane_span_words(ka, half), TEXT=text, CONS=cons, BR=cfg.block_rows,
-               STAGES=cfg.stages, OVERLAP=cfg.overlap)
+               STAGES=cfg.stages, OVERLAP=cfg.overlap, PAIR=cfg.pair)
     if pdl:
         out["PDL"] = True
     return out
