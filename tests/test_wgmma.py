@@ -42,6 +42,10 @@ def test_row_buckets_and_splits():
                 assert splits == 1 or programs * splits <= max(target, programs)
     assert wg.wgmma_splits(256, 224, 256) == (1, 256)          # 4096 x 14336: one program per column group
     assert wg.wgmma_splits(896, 64, 256) == (4, 224)           # 14336 x 4096: four K splits
+    # two chunks per wait need two x' buffers and the waiting loop (one buffer would wait on itself)
+    for bad in (dict(stages=1), dict(overlap=True)):
+        with pytest.raises(ValueError, match="pair=True"):
+            wg.WgmmaConfig(block_rows=16, pair=True, **bad)
 
 
 def test_padded_rows_are_whole_row_blocks():

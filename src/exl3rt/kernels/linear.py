@@ -350,7 +350,7 @@ MMA_MAX_ROWS = 64  # the mma GEMV decodes once per 8 / 16 / 32 / 64 rows; above,
 # 0.91-0.95x; K3 0.98-1.00x), not for K 2 and 4 (1.02-1.06x, both codebooks)
 WGMMA_MIN_ROWS = 17
 WGMMA_MIN_ROWS_WIDE = 9      # ... at a K outside MMA_16_BITS
-MMA_16_BITS = (1.0, 2.0, 4.0)  # K at which 9-16 rows stay on the mma GEMV (K1 by its likeness to K2)
+MMA_16_BITS = (1.0, 2.0, 4.0)  # K at which 9-16 rows stay on the mma GEMV (K1: the wgmma kernel 1.00-1.04x)
 WGMMA_MAX_ROWS = 512
 WGMMA_GAP = (257, 416)
 

@@ -77,6 +77,11 @@ class WgmmaConfig:
     pdl: bool = False
     pair: bool = False
 
+    def __post_init__(self):
+        if self.pair and (self.overlap or self.stages < 2):
+            raise ValueError(f"WgmmaConfig: pair=True needs the waiting loop (overlap=False) and stages >= 2 (both "
+                             f"chunks' x' boxes in flight), got overlap={self.overlap}, stages={self.stages}")
+
 
 # H200, 2026-12-01, kernel alone, 8 rotated weight copies, one graph per call (4096×14336 / 14336×4096, K4):
 # 256 rows per program with 3 x' buffers (2 programs per SM) best from 129 rows up (rows 256: 63.3 / 58.4 µs;
