@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..format.bits import is_half, normalize_bits
+from ..format.checkpoint import QUANT_METHOD
 from ..format.errors import FormatError
 
 
@@ -60,7 +61,7 @@ def model_path(args: argparse.Namespace) -> tuple[Path, str]:
         method = _quant_method(path / "config.json")
         if method is not None:
             hint = (" — already EXL3 (e.g. from `exl3rt quantize`): serve it with vLLM (README, docs/vllm.md)"
-                    if method == "exl3" else "")
+                    if method == QUANT_METHOD else "")
             raise SystemExit(f"exl3rt: error: --model {path}: a quantized checkpoint (quant_method {method!r}){hint}; "
                              f"this command quantizes an unquantized (BF16/FP16/FP32) model as it loads: point "
                              f"--model at the original")

@@ -27,7 +27,8 @@ from .encoded import EncodedLinear
 from .errors import FormatError
 
 QCONFIG_NAME = "quantization_config.json"
-__all__ = ["CONFIG_NAME", "INDEX_NAME", "QCONFIG_NAME", "Exl3Checkpoint", "LinearInfo", "TensorInfo"]
+QUANT_METHOD = "exl3"   # quantization_config.quant_method of an EXL3 checkpoint
+__all__ = ["CONFIG_NAME", "INDEX_NAME", "QCONFIG_NAME", "QUANT_METHOD", "Exl3Checkpoint", "LinearInfo", "TensorInfo"]
 
 _LINEAR_PARTS = ("trellis", "suh", "svh", "su", "sv", "bias", *MARKERS)
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +84,9 @@ class Exl3Checkpoint:
         if qc is None:
             return
         method = qc.get("quant_method")
-        if method != "exl3":
+        if method != QUANT_METHOD:
             raise FormatError(
-                f"{self.root / CONFIG_NAME}: quantization_config.quant_method is {method!r}, not 'exl3'; "
+                f"{self.root / CONFIG_NAME}: quantization_config.quant_method is {method!r}, not {QUANT_METHOD!r}; "
                 f"this is not an EXL3 checkpoint"
             )
 

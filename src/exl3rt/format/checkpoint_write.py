@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from .. import __version__
 from ..util.fs import atomic_path, atomic_write_text, fsync_dir
 from .bits import Bits
-from .checkpoint import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME
+from .checkpoint import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME, QUANT_METHOD
 from .codebooks import MARKERS
 from .encoded import EncodedLinear
 from .errors import FormatError
@@ -110,7 +110,7 @@ class CheckpointWriter:
         tbits = sum(_tile_count(v[2]) * 256 * v[0] for v in body.values())
         codebooks = sorted({v[1] for v in self._linears.values()})
         qc: dict[str, Any] = {
-            "quant_method": "exl3",
+            "quant_method": QUANT_METHOD,
             "version": __version__,
             "quantizer": "exl3rt",
             "bits": round(tbits / weights, 2) if weights else 0.0,
