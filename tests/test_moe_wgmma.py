@@ -32,10 +32,11 @@ hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA device of comput
 
 
 def test_applies_only_to_wgmma_devices_and_prefill_blocks():
-    assert mw.BLOCKS == (64, 128)
+    assert mw.BLOCKS == (32, 64, 128) and mw.SETTINGS[32] == (2, True)       # blocks of 32: paired chunks
+    assert all(stages >= 2 for stages, pair in mw.SETTINGS.values() if pair)
     assert not mw.applies(torch.device("cpu"), 64)
     if ON_HOPPER:
-        assert [mw.applies(torch.device(DEV), b) for b in (8, 16, 32, 64, 128, 256)] == [False, False, False, True,
+        assert [mw.applies(torch.device(DEV), b) for b in (8, 16, 32, 64, 128, 256)] == [False, False, True, True,
                                                                                           True, False]
 
 
@@ -59,15 +60,18 @@ def _build_sm90(tier_bits, block, nproj):
 
 
 @pytest.mark.skipif(not wg.HAVE_GLUON, reason="Triton without Gluon")
-@pytest.mark.parametrize("tier_bits,block,nproj", [((3, 4), 64, 2), ((2, 3, 4, 2.5), 128, 1), ((4,), 64, 1)])
+@pytest.mark.parametrize("tier_bits,block,nproj", [((3, 4), 64, 2), ((2, 3, 4, 2.5), 128, 1), ((4,), 64, 1),
+                                                   ((3, 4), 32, 2)])
 def test_kernel_builds_for_sm90_without_a_gpu(tier_bits, block, nproj):
     """The kernel compiles for sm_90 with this machine's Triton; one decode-and-wgmma loop per tier (4 HGMMAs
-    of N = the route block each), the decoded registers used in place (no shared-memory traffic besides TMA)
-    and never rewritten under a wgmma in flight."""
+    of N = the route block per chunk; the paired loop of blocks of 32 has three chunk sites: even, odd, a last odd
+    chunk), the decoded registers used in place (no shared-memory traffic besides TMA) and never rewritten under
+    a wgmma in flight."""
     sass = _build_sm90(tier_bits, block, nproj)
     if sass is None:
         pytest.skip("no nvdisasm next to Triton's ptxas")
-    assert sass.count("HGMMA.64x%dx16" % block) == 4 * len(tier_bits)
+    sites = 3 if mw.SETTINGS[block][1] else 1
+    assert sass.count("HGMMA.64x%dx16" % block) == 4 * sites * len(tier_bits)
     for op in ("STS", "LDS", "STSM", "LDSM"):
         assert f" {op}" not in sass and f"{op}." not in sass, op
     assert inflight_a_writes(sass) == []
@@ -79,7 +83,7 @@ def _stacks(layout, k_tiles, n_tiles, g):
 
 
 @hopper
-@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("block", [32, 64, 128])
 @pytest.mark.parametrize("two_inputs", [False, True])
 def test_partials_match_the_mma_launch_and_float64(block, two_inputs):
     """Gate+up (two projections, one grid) over three tiers (K3, K4, K2): the partials of every live slot equal
@@ -113,7 +117,7 @@ def test_partials_match_the_mma_launch_and_float64(block, two_inputs):
 
 
 @hopper
-@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("block", [32, 64, 128])
 def test_layer_with_the_wgmma_launch_matches_the_mma_launch(block):
     """``exl3_moe`` at prefill route blocks (fused passes, row-major x'/h' for the wgmma launch) equals the same
     layer on the mma launch (``GlueLaunch(wgmma=False)``) to fp32-sum order."""
@@ -143,9 +147,9 @@ def test_layer_with_the_wgmma_launch_matches_the_mma_launch(block):
 
 def test_fused_path_sends_blocks_of_64_to_the_wgmma_launch(monkeypatch):
     """The glue's side of the launch, on any machine: where the wgmma launch applies (faked here), route blocks
-    of 64 send gate+up (one grid, two projections) and down to it with row-major x'/h' — a stand-in running the
-    mma launch on those row-major inputs gives the float64 layer — while blocks of 32 and ``GlueLaunch(wgmma=
-    False)`` keep the mma launch."""
+    of 64 (and 32) send gate+up (one grid, two projections) and down to it with row-major x'/h' — a stand-in
+    running the mma launch on those row-major inputs gives the float64 layer — while blocks of 16 and
+    ``GlueLaunch(wgmma=False)`` keep the mma launch."""
     import dataclasses
 
     from test_moe_kernel import _experts, _inputs, _loop, _rel
@@ -167,6 +171,9 @@ def test_fused_path_sends_blocks_of_64_to_the_wgmma_launch(monkeypatch):
     assert [c[1] for c in calls] == [True, False]               # gate+up in one grid, then down
     assert _rel(y, _loop(x, ids, wts, experts)) < 2e-3
     calls.clear()
-    exl3_moe(x, ids, wts, w, block_m=32, nt=1, num_warps=8)
+    assert _rel(exl3_moe(x, ids, wts, w, block_m=32, nt=1, num_warps=8), _loop(x, ids, wts, experts)) < 2e-3
+    assert [c[1] for c in calls] == [True, False]
+    calls.clear()
+    exl3_moe(x, ids, wts, w, block_m=16, nt=1, num_warps=8)
     exl3_moe(x, ids, wts, w, block_m=64, nt=1, num_warps=8, glue=dataclasses.replace(default_glue(64), wgmma=False))
     assert calls == []

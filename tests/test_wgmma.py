@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_env import DEV, random_codes as _codes, require_kernels
+from kernel_env import DEV, garbage_empty, random_codes as _codes, require_kernels
 from sass_check import build_sm90, inflight_a_writes, unpatched_language
 
 require_kernels()
@@ -48,6 +48,22 @@ def test_row_buckets_and_splits():
             wg.WgmmaConfig(block_rows=16, pair=True, **bad)
 
 
+def test_small_row_buckets_add_many_splits_into_one_buffer(monkeypatch):
+    """9-32 rows (16/32 rows per program) add their K splits into one buffer from ATOMIC_MIN_SPLITS splits on
+    (14336 × 4096: 23 splits; 4096 × 14336: 6, stored); larger row buckets never; not with
+    ``EXL3RT_KERNEL_DETERMINISTIC``."""
+    assert wg.launch_splits(896, 256, wg.WGMMA_16) == (23, 40, True)
+    assert wg.launch_splits(896, 256, wg.WGMMA_32)[0::2] == (23, True)
+    assert wg.launch_splits(512, 512, wg.WGMMA_16)[0::2] == (12, True)          # 8192 × 8192
+    assert wg.launch_splits(256, 896, wg.WGMMA_16)[0::2] == (6, False)           # 4096 × 14336
+    for cfg in (wg.WGMMA_64, wg.WGMMA_128, wg.WGMMA_256):
+        assert not wg.use_atomic(cfg, 1000)
+    assert [wg.use_atomic(wg.WGMMA_16, n) for n in (1, wg.ATOMIC_MIN_SPLITS - 1, wg.ATOMIC_MIN_SPLITS)] == \
+        [False, False, True]
+    monkeypatch.setenv("EXL3RT_KERNEL_DETERMINISTIC", "1")
+    assert not wg.launch_splits(896, 256, wg.WGMMA_16)[2]
+
+
 def test_padded_rows_are_whole_row_blocks():
     """x' buffers of the wgmma path hold whole row blocks (a TMA box past the end of x' is slow)."""
     assert [wg.padded_rows(r, wg.WGMMA_256) for r in (129, 256, 257, 512)] == [256, 256, 512, 512]
@@ -56,25 +72,35 @@ def test_padded_rows_are_whole_row_blocks():
         [16, 32, 64, 128, 128, 256, 512]
 
 
-@pytest.mark.parametrize("rows", [9, 20, 33, 100, 129, 460])
-def test_wgmma_path_hands_the_kernel_whole_row_blocks(rows, monkeypatch):
+@pytest.mark.parametrize("rows,in_p", [(9, 256), (20, 256), (33, 256), (100, 256), (129, 256), (460, 256),
+                                       (9, 4096), (20, 4096)])
+def test_wgmma_path_hands_the_kernel_whole_row_blocks(rows, in_p, monkeypatch):
     """``exl3_linear``'s wgmma path, host side (the kernel replaced by a recorder that returns x'·Q in float64, so
     this runs anywhere): x' holds whole row blocks of the row bucket's configuration, the kernel is told the real
-    row count, the pre-pass wrote x' rows ``0 … rows − 1`` as the plain pre-pass does, and the output is x·W."""
-    tr, suh, svh = _codes(256, 128, 4, seed=rows)
+    row count, the pre-pass wrote x' rows ``0 … rows − 1`` as the plain pre-pass does, and the output is x·W. At
+    9-32 rows of a wide K (4096 × 128: 32 splits) the kernel gets one accumulation buffer, zeroed by the
+    pre-pass (``torch.empty`` memory full of NaN here), to add its splits into."""
+    tr, suh, svh = _codes(in_p, 128, 4, seed=rows)
     q = decode(tr.cpu(), 4, "mcg").double()
     seen = {}
+    garbage_empty(monkeypatch)
 
-    def kernel(xh, trellis, codebook, cfg, pdl=False, rows=None):
-        seen.update(shape=tuple(xh.shape), rows=rows, block=cfg.block_rows, x=xh[:rows].clone())
-        return (xh[:rows].double().cpu() @ q).float().to(xh.device)[None]
+    def kernel(xh, trellis, codebook, cfg, pdl=False, rows=None, acc=None):
+        seen.update(shape=tuple(xh.shape), rows=rows, block=cfg.block_rows, x=xh[:rows].clone(), acc=acc is not None)
+        z = (xh[:rows].double().cpu() @ q).float().to(xh.device)[None]
+        if acc is not None:
+            assert acc.shape == z.shape and torch.equal(acc, torch.zeros_like(acc))
+            return acc.add_(z)
+        return z
 
     monkeypatch.setattr(wg, "wgmma_rotated", kernel)
-    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(DEV)
+    x = torch.randn(rows, in_p, generator=torch.Generator().manual_seed(rows)).to(DEV)
     y = kl.exl3_linear(x, tr, suh, svh, "mcg", path="wgmma")
-    block = wg.default_wgmma_config(rows).block_rows
-    assert seen["rows"] == rows and seen["block"] == block and seen["shape"] == (-(-rows // block) * block, 256)
-    ref = torch.empty(rows, 256, dtype=torch.float16, device=DEV)
+    cfg = wg.default_wgmma_config(rows)
+    block = cfg.block_rows
+    assert seen["rows"] == rows and seen["block"] == block and seen["shape"] == (-(-rows // block) * block, in_p)
+    assert seen["acc"] == (in_p == 4096) == wg.launch_splits(in_p // 16, 8, cfg)[2]
+    ref = torch.zeros(rows, in_p, dtype=torch.float16, device=DEV)
     kl._had(x, suh, ref, pre=True)
     assert torch.equal(seen["x"], ref)
     w = reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), "mcg", dtype=torch.float64)
@@ -116,6 +142,36 @@ def test_kernel_against_float64(bits, codebook, rows):
         assert rel < 1e-5, (cfg, rel)          # fp32 accumulation of exact fp16 products
         if cfg is not None:
             assert z.shape[0] == wg.wgmma_splits(in_p // 16, out_p // 64, cfg.target_programs)[0] > 1
+
+
+@hopper
+@pytest.mark.parametrize("rows,bits", [(13, 6), (29, 3)])
+def test_kernel_adds_its_splits_into_one_buffer(rows, bits, monkeypatch):
+    """9-32 rows over many K splits (4096 × 512: 32): the splits added into one buffer equal the per-split
+    partials that ``EXL3RT_KERNEL_DETERMINISTIC=1`` keeps (fp32 order only) and the float64 product; a buffer
+    given to a launch that stores its splits is refused; through ``exl3_linear`` (NaN-filled ``torch.empty``) both
+    modes give float64 x·W."""
+    tr, suh, svh = _codes(4096, 512, bits, seed=rows)
+    cfg = wg.default_wgmma_config(rows)
+    assert wg.launch_splits(256, 32, cfg)[::2] == (32, True)
+    xh = torch.randn(rows, 4096, device=DEV).half()
+    z = wg.wgmma_rotated(xh, tr, "mcg", cfg)
+    ref = xh.double() @ decode(tr, bits, "mcg").double()
+    assert z.shape == (1, rows, 512) and float((z[0].double() - ref).norm() / ref.norm()) < 1e-5
+    with pytest.raises(ValueError, match="acc"):
+        wg.wgmma_rotated(xh, tr, "mcg", wg.WGMMA_64, acc=torch.zeros(1, rows, 512, device=DEV))
+    x = torch.randn(rows, 4096, device=DEV)
+    wref = x.double() @ reconstruct(tr, suh, svh, "mcg", dtype=torch.float64)
+    garbage_empty(monkeypatch)
+    ys = []
+    for det in ("1", "0"):
+        monkeypatch.setenv("EXL3RT_KERNEL_DETERMINISTIC", det)
+        if det == "1":
+            parts = wg.wgmma_rotated(xh, tr, "mcg", cfg)
+            assert parts.shape == (32, rows, 512)
+            assert float((z[0].double() - parts.double().sum(0)).norm() / ref.norm()) < 1e-6
+        ys.append(kl.exl3_linear(x, tr, suh, svh, "mcg"))
+        assert float((ys[-1].double() - wref).norm() / wref.norm()) < 1e-3
 
 
 @hopper
@@ -165,12 +221,27 @@ def test_prewarm_then_graph_capture():
     assert torch.equal(y, y0)
 
 
-def _build_sm90(bits, codebook, cfg):
+def _build_sm90(bits, codebook, cfg, atomic=False):
     """The SASS of the kernel ``wgmma_rotated`` launches for K = ``bits``, ``codebook``, ``cfg``, built for sm_90."""
     args = {"w_ptr": "*i32", "z_ptr": "*fp32", "rows": "i32", "k_tiles": "i32", "n_tiles": "i32", "k_per": "i32",
             "stride_zs": "i32", "one": "i32"}
-    const = {**wg.kernel_constants(bits, codebook, cfg, cfg.pdl), "PDL": cfg.pdl}   # a compile names every argument
+    const = {**wg.kernel_constants(bits, codebook, cfg, cfg.pdl, atomic), "PDL": cfg.pdl,
+             "ATOMIC": atomic}                                                   # a compile names every argument
     return build_sm90(wg._wgmma_kernel, cfg.block_rows, args, const, launch_pdl=cfg.pdl)
+
+
+@pytest.mark.skipif(not wg.HAVE_GLUON, reason="Triton without Gluon")
+@pytest.mark.parametrize("cfg", [wg.WGMMA_16, wg.WGMMA_32])
+def test_atomic_build_adds_instead_of_storing(cfg):
+    """With its splits added into one buffer the kernel ends in one ``RED.ADD.F32`` per accumulator register
+    (BR·64 / 128 per thread) and stores no result; otherwise as many plain stores and no adds."""
+    for atomic in (True, False):
+        sass = _build_sm90(6, "mcg", cfg, atomic)
+        if sass is None:
+            pytest.skip("no nvdisasm next to Triton's ptxas")
+        red = [ln for ln in sass.splitlines() if " RED" in ln and ".ADD.F32" in ln]
+        stg = [ln for ln in sass.splitlines() if " STG" in ln]
+        assert (len(red), len(stg)) == ((cfg.block_rows // 2, 0) if atomic else (0, cfg.block_rows // 2))
 
 
 def test_the_inflight_check_sees_a_race():
@@ -208,7 +279,8 @@ def test_builds_see_the_language_as_imported():
 @pytest.mark.parametrize("bits,codebook,cfg", [(4, "mcg", wg.WGMMA_256), (3, "mcg", wg.WGMMA_128),
                                                (6, "3inst", wg.WGMMA_64), (2.5, "mul1", wg.WGMMA_256),
                                                (3, "mcg", wg.WGMMA_256), (6, "mcg", wg.WGMMA_256),
-                                               (6, "mcg", wg.WGMMA_16), (4, "mul1", wg.WGMMA_32)])
+                                               (6, "mcg", wg.WGMMA_16), (4, "mul1", wg.WGMMA_32),
+                                               (3, "mcg", wg.WGMMA_256_PAIR)])
 def test_kernel_builds_for_sm90_without_a_gpu(bits, codebook, cfg):
     """The Gluon kernel compiles for sm_90 with this machine's Triton (CI's, whatever its version: Gluon's API
     moves), the decoded registers become the wgmma A operand without data movement (the build asserts it; the

@@ -307,15 +307,7 @@ def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Opt
     splits, k_per = gemv_splits(in_tiles, n_blocks * m_blocks, cfg.target_programs,
                                 k_multiple=unroll * (warps if cfg.ksplit else 1))
     atomic = use_atomic(cfg)
-    if acc is not None:
-        if not atomic or acc.shape != (1, rows, tn * 16) or acc.dtype != torch.float32 or not acc.is_contiguous():
-            raise ValueError(f"mma_rotated: acc must be a contiguous fp32 [1, {rows}, {tn * 16}] tensor, and only "
-                             f"where the splits are added into one buffer (use_atomic)")
-        z = acc
-    elif atomic:
-        z = torch.zeros((1, rows, tn * 16), dtype=torch.float32, device=xh.device)
-    else:
-        z = torch.empty((splits, rows, tn * 16), dtype=torch.float32, device=xh.device)
+    z = split_buffer("mma_rotated", acc, atomic, splits, rows, tn * 16, xh.device)
     grid = (n_blocks, splits, m_blocks)
     stride_x = in_p * (4 if cfg.swap else 8) if xfrag else xh.stride(0)     # int32 per row block / fp16 per row
     _mm._mma_kernel[grid](xh, trellis.view(torch.int32), z, rows, in_tiles, tn, k_per, stride_x,
@@ -327,6 +319,20 @@ def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Opt
                           num_stages=cfg.num_stages, **_pdl_args(xh.device),
                           **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return z
+
+
+def split_buffer(name: str, acc: Optional[torch.Tensor], atomic: bool, splits: int, rows: int, out_p: int,
+                 device: torch.device) -> torch.Tensor:
+    """The fp32 buffer a GEMV/GEMM launch writes: ``[splits, rows, out_p]`` partials, or (``atomic``: the splits
+    are added into one buffer) ``acc`` — checked, zeroed by the caller — or a zeroed ``[1, rows, out_p]``."""
+    if acc is not None:
+        if not atomic or acc.shape != (1, rows, out_p) or acc.dtype != torch.float32 or not acc.is_contiguous():
+            raise ValueError(f"{name}: acc must be a contiguous fp32 [1, {rows}, {out_p}] tensor, and only where the "
+                             f"splits are added into one buffer (use_atomic)")
+        return acc
+    if atomic:
+        return torch.zeros((1, rows, out_p), dtype=torch.float32, device=device)
+    return torch.empty((splits, rows, out_p), dtype=torch.float32, device=device)
 
 
 def _pdl_args(device: torch.device) -> dict:
@@ -418,8 +424,10 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
         # x' in whole row blocks (no TMA box past its end: ~2x faster for a partial last block); rows past x's
         # are left unwritten: they only reach product rows that are not stored
         xh = torch.empty((_wg.padded_rows(rows, wcfg), in_p), dtype=torch.float16, device=x.device)
-        _had(x, suh, xh[:rows], pre=True, pdl=pdl)
-        z = _wg.wgmma_rotated(xh, trellis, codebook, wcfg, pdl=pdl, rows=rows)
+        atomic = _wg.launch_splits(in_p // 16, out_p // 16, wcfg)[2]
+        acc = torch.empty((1, rows, out_p), dtype=torch.float32, device=x.device) if atomic else None
+        _had(x, suh, xh[:rows], pre=True, pdl=pdl, zero=acc)                          # (zeroes acc)
+        z = _wg.wgmma_rotated(xh, trellis, codebook, wcfg, pdl=pdl, rows=rows, acc=acc)
         _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0), pdl=pdl)
         return y
     xh = torch.empty((rows, in_p), dtype=torch.float16, device=x.device)
@@ -491,4 +499,4 @@ __all__ = ["exl3_linear", "gemv_rotated", "decode_fp16", "prewarm", "prewarm_row
            "MmaConfig", "mma_rotated", "use_atomic", "xfrag_rows", "choose_path", "default_mma_config", "specialization",
            "PREWARM_ROWS", "WGMMA_PREWARM_ROWS", "WGMMA_MIN_ROWS", "WGMMA_MIN_ROWS_WIDE", "MMA_16_BITS", "WGMMA_MAX_ROWS",
            "WGMMA_GAP", "MMA_MAX_ROWS",
-           "GEMV_MAX_ROWS", "GEMV_DISPATCH_ROWS", "interpreting", "gemv_splits"]
+           "GEMV_MAX_ROWS", "GEMV_DISPATCH_ROWS", "interpreting", "gemv_splits", "split_buffer"]

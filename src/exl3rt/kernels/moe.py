@@ -19,7 +19,7 @@ run as one launch (``NPROJ = 2``: the grid's first dimension covers both project
 
 Fused path (default, activation silu): six Triton launches — route packing in one program
 (:func:`pack_routes_fused`), pre-pass, gate+up, mid-pass, down, post-pass (the passes are in
-:mod:`exl3rt.kernels.moe_glue`); on Hopper, route blocks of 64/128 run gate+up and down on the wgmma
+:mod:`exl3rt.kernels.moe_glue`); on Hopper, route blocks of 32/64/128 run gate+up and down on the wgmma
 tiered launch instead (:mod:`exl3rt.kernels.moe_wgmma`). ``fused=False`` (and any other activation): the
 torch glue around three tiered launches (gate, up, down), the reference the fused passes are tested against.
 On the CPU the kernels run in Triton's interpreter (tests); the torch reference of the whole layer is
@@ -401,7 +401,7 @@ class GlueLaunch:
     pass (0: by top-k) and whether x'/h' are written in the tiered launch's fragment order (where the route
     block allows it, :func:`frag_blocks`); ``skip_padding``: the tiered launches count each route block's live
     routes and leave its padding slots out (no x' loads, no stores, no mma for 16-row blocks of padding only);
-    ``wgmma``: route blocks of 64/128 run on the Hopper wgmma tiered launch where it is available
+    ``wgmma``: route blocks of 32/64/128 run on the Hopper wgmma tiered launch where it is available
     (:mod:`exl3rt.kernels.moe_wgmma`; x'/h' then row-major, ``frag`` and ``skip_padding`` do not apply);
     ``atomic``: with route blocks of 8 (the decode plan) the tiered launches add their K splits into one buffer
     whose live rows the pass before zeroes (pre: gate/up, mid: down), and mid/post read one split

@@ -25,13 +25,20 @@ import torch
 from . import wgmma as _wg
 from .wgmma import HAVE_GLUON, KC, WARPS
 
-#: route blocks the wgmma launch takes (the wgmma's N; TMA boxes of [block, 64] x' rows). H200, 2026-12-01,
-#: hidden 6144, 256 experts top-8, K3/K4 192/64, graph-timed layer calls against the mma launch: blocks of 64
-#: 7418 vs 8636 µs at 2048 rows (I 2048) and 2572 vs 3156 (I 512), 4792 vs 5304 / 1588 vs 1744 at 512 rows; blocks
-#: of 32 slower (4128 vs 3969 / 1345 vs 1327 at 512 rows, 10071 vs 9724 at 2048), so the launch takes 64 and 128
-BLOCKS = (64, 128)
-#: x' buffers per program, and the programs the K split aims at (prefill grids are large: no split then)
-STAGES = 4
+#: route blocks the wgmma launch takes (the wgmma's N; TMA boxes of [block, 64] x' rows), and per block (x' buffers,
+#: two chunks decoded per wgmma wait — ``WgmmaConfig.pair``). H200, 2026-12-01, hidden 6144, 256 experts top-8,
+#: K3/K4 192/64, graph-timed layer calls against the mma launch: blocks of 64 7418 vs 8636 µs at 2048 rows (I 2048)
+#: and 2572 vs 3156 (I 512), 4792 vs 5304 / 1588 vs 1744 at 512 rows (4 buffers). Blocks of 32 (16-31 routes per
+#: expert) since 2026-12-02 (sixteenth session) with the dense kernel's small-block loop, 2 buffers and paired
+#: chunks: rows 512 / 640 / 768 / 896 / 1000, I 2048 3989 / 4088 / 4257 / 4919 / 5645 µs vs 3942 / 4154 / 4408 /
+#: 4993 / 5618 on the mma launch, I 512 1321 / 1388 / 1460 / 1646 / 1857 vs 1327 / 1448 / 1562 / 1756 / 1935
+#: (unpaired or 3 buffers 1-3 % slower; 4 buffers, the first try, 3-4 % slower than the mma launch); blocks of 16
+#: stay on the mma launch (6-11 % faster at 128 / 256 rows). Paired chunks on blocks of 64 (3 buffers) and 128 (4)
+#: too, same day: rows 1024 / 1536 (block 64), 2048 / 3072 (block 128): I 2048 4695 / 5028 / 6650 / 7325 µs vs
+#: 5008 / 5325 / 7056 / 7782 unpaired with 4 buffers, I 512 1666 / 1833 / 2417 / 2785 vs 1757 / 1916 / 2550 / 2899
+SETTINGS = {32: (2, True), 64: (3, True), 128: (4, True)}
+BLOCKS = tuple(SETTINGS)
+#: the programs the K split aims at (prefill grids are large: no split then)
 TARGET_PROGRAMS = 1024
 
 if HAVE_GLUON:
@@ -43,14 +50,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _tier_chunks(acc, xs, bars, x_desc, w_ptr, local, tile0, a0, k_tiles, n_tiles, nchunks, m0, one,
                      KA: gl.constexpr, HALF: gl.constexpr, NWL: gl.constexpr, TEXT: gl.constexpr,
-                     CONS: gl.constexpr, DOT: gl.constexpr, STAGES: gl.constexpr):
+                     CONS: gl.constexpr, DOT: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr):
         """The waiting chunk loop of :mod:`exl3rt.kernels.wgmma` on expert ``local`` of a tier's stack."""
         estride = k_tiles * n_tiles * (8 * KA + 4 * HALF)          # int32 words per expert
         wb, kstride, rsh, xorc, idx = _lanes(w_ptr + local.to(gl.int64) * estride, tile0, a0, n_tiles, one,
                                              KA, HALF, NWL)
         wc = _chunk_words(wb, 0, kstride, nchunks > 0, idx, NWL)
         return _chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
-                       TEXT, CONS, NWL, DOT, STAGES, False)
+                       TEXT, CONS, NWL, DOT, STAGES, False, PAIR)
 
     # nothing that follows from the row count is a specialization (slots, the second input's first row, the
     # partials' strides, the k-tiles per split): a prewarm at one row count covers the others
@@ -62,7 +69,7 @@ if HAVE_GLUON:
                           K1A: gl.constexpr, K1H: gl.constexpr, N1: gl.constexpr, T1: gl.constexpr, C1: gl.constexpr,
                           K2A: gl.constexpr, K2H: gl.constexpr, N2: gl.constexpr, T2: gl.constexpr, C2: gl.constexpr,
                           K3A: gl.constexpr, K3H: gl.constexpr, N3: gl.constexpr, T3: gl.constexpr, C3: gl.constexpr,
-                          BR: gl.constexpr, STAGES: gl.constexpr, NPROJ: gl.constexpr):
+                          BR: gl.constexpr, STAGES: gl.constexpr, NPROJ: gl.constexpr, PAIR: gl.constexpr):
         """Program (column group, route block j, K split): ``z[slot, 64 columns] = x'[slot]·Q_e`` for the BR
         slots of block j (expert e = blk[j]); blocks past ``npad`` do nothing. NPROJ = 2: column groups from
         ``n_groups`` on run the second projection (tiers ``v*``, x' rows from ``xrow_p``, partials
@@ -101,19 +108,19 @@ if HAVE_GLUON:
             tile0 = pid_n * _WARPS
             if tier == 0:
                 acc = _tier_chunks(acc, xs, bars, x_desc, w0, local, tile0, a0, k_tiles, n_tiles, nchunks, m0, one,
-                                   K0A, K0H, N0, T0, C0, DOT, STAGES)
+                                   K0A, K0H, N0, T0, C0, DOT, STAGES, PAIR)
             if NTIERS > 1:
                 if tier == 1:
                     acc = _tier_chunks(acc, xs, bars, x_desc, w1, local, tile0, a0, k_tiles, n_tiles, nchunks, m0,
-                                       one, K1A, K1H, N1, T1, C1, DOT, STAGES)
+                                       one, K1A, K1H, N1, T1, C1, DOT, STAGES, PAIR)
             if NTIERS > 2:
                 if tier == 2:
                     acc = _tier_chunks(acc, xs, bars, x_desc, w2, local, tile0, a0, k_tiles, n_tiles, nchunks, m0,
-                                       one, K2A, K2H, N2, T2, C2, DOT, STAGES)
+                                       one, K2A, K2H, N2, T2, C2, DOT, STAGES, PAIR)
             if NTIERS > 3:
                 if tier == 3:
                     acc = _tier_chunks(acc, xs, bars, x_desc, w3, local, tile0, a0, k_tiles, n_tiles, nchunks, m0,
-                                       one, K3A, K3H, N3, T3, C3, DOT, STAGES)
+                                       one, K3A, K3H, N3, T3, C3, DOT, STAGES, PAIR)
             for s in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(s))
             nn = gl.arange(0, 16 * _WARPS, layout=gl.SliceLayout(1, MMA))
@@ -124,7 +131,7 @@ if HAVE_GLUON:
 
 def applies(device: torch.device, block_m: int) -> bool:
     """The wgmma tiered launch serves route blocks of ``block_m`` on ``device``."""
-    return block_m in BLOCKS and _wg.available(device)
+    return block_m in SETTINGS and _wg.available(device)
 
 
 def tiered_partials_wgmma(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], block_experts: torch.Tensor,
@@ -138,7 +145,7 @@ def tiered_partials_wgmma(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor]
     from .moe import _tier_words
     name = "tiered_partials_wgmma"
     if not applies(xs.device, block_m):
-        raise RuntimeError(f"{name}: needs route blocks of {BLOCKS} on a device where the wgmma kernel runs "
+        raise RuntimeError(f"{name}: needs route blocks of {tuple(SETTINGS)} on a device where the wgmma kernel runs "
                            f"(compute capability 9.0, Gluon), got block {block_m} on {xs.device}")
     k_tiles, n_tiles, ws, vs = _tier_words(name, tier_trellis, second)
     nproj = 1 if second is None else 2
@@ -165,11 +172,12 @@ def tiered_partials_wgmma(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor]
 def kernel_constants(tier_bits: Sequence, codebook: str, block_m: int, nproj: int) -> dict:
     """The compile-time arguments of ``_moe_wgmma_kernel`` but ``SHIFT``: per tier t of ``tier_bits`` its K
     split into whole and half bits, NWL and the lane decode's PTX (tiers past the last: unused placeholders),
-    the tier count, the route block, the buffers and the projections."""
+    the tier count, the route block, its buffers and paired chunks (:data:`SETTINGS`) and the projections."""
     from .lane_decode import lane_decode_ptx, lane_span_words
     from .linear import _cb_args, _kernel_bits
     from .moe import MAX_TIERS
-    out = dict(NTIERS=len(tier_bits), BR=block_m, STAGES=STAGES, NPROJ=nproj)
+    stages, pair = SETTINGS[block_m]
+    out = dict(NTIERS=len(tier_bits), BR=block_m, STAGES=stages, NPROJ=nproj, PAIR=pair)
     for t in range(MAX_TIERS):
         ka, half = _kernel_bits(tier_bits[t]) if t < len(tier_bits) else (1, 0)
         text, cons, _ = lane_decode_ptx(ka, half, *_cb_args(codebook)) if t < len(tier_bits) else ("", "", 0)

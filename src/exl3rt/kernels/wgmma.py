@@ -76,6 +76,7 @@ class WgmmaConfig:
     overlap: bool = False
     pdl: bool = False
     pair: bool = False
+    atomic_min_splits: int = 0
 
     def __post_init__(self):
         if self.pair and (self.overlap or self.stages < 2):
@@ -91,6 +92,15 @@ class WgmmaConfig:
 # 70.8-76.9, K2 60.8-61.3 / 57.0-57.8 vs 63.2-66.7, K4 within ±1 % (55.4-60.8 vs 55.7-60.6), rows 512 K4
 # 119.2-119.5 / 107.5-107.9 vs 117.7-118.5 / 106.7-108.1; 8 warps, 4-6 buffers, deeper word prefetch: no better
 WGMMA_256 = WgmmaConfig(block_rows=256, stages=3, target_programs=256, overlap=True)
+# Measured faster at K3 / K6 and not yet the default: two chunks per wgmma wait with 3 buffers instead of the
+# overlapped loop (H200, 2026-12-02, sixteenth session, whole calls, one graph of 32, rows 256 / 512: K3 66.6 /
+# 65.2 / 75.2 µs vs 71.7 / 68.7 / 79.6 (4096×14336 / 14336×4096 / 8192×8192), 132.6 / 128.1 / 147.7 vs 141.4 /
+# 134.7 / 158.0; K6 71.2 / 68.0 / 78.9 vs 73.0 / 70.5 / 81.4, 144.4 / 134.3 / 159.3 vs 144.2 / 137.6 / 159.8; K4
+# equal at 256 rows and 0.7-3 % slower at 512; 4 buffers paired 1.1-1.2x slower). K2, K5 and half-integer K were
+# not measured and the session's device time ran out before tests/test_wgmma.py could check this configuration
+# against float64 on the H200 (the paired loop is checked there at 16/32 rows per program and in the MoE launch
+# at 32/64/128): default_wgmma_config takes it once both are done.
+WGMMA_256_PAIR = WgmmaConfig(block_rows=256, stages=3, target_programs=256, pair=True)
 # 65-128 rows: 128 rows per program, ~512 programs (rows 128: 45.3 / 40.7 µs vs 53.8 / 48.3 at ~256 programs and
 # 52.1 / 49.8 with 4 buffers at ~1024; 256 rows per program 63-88); the overlapped loop is slower here (K4
 # 56.7-58.3 / 45.8-56.6 vs 45.5-45.7 / 40.9-41.1 with 3-5 buffers; K6 62.3 / 49.6 vs 48.2 / 46.5)
@@ -100,18 +110,29 @@ WGMMA_128 = WgmmaConfig(block_rows=128, stages=3, target_programs=512)
 # PDL (whole calls, same day, K4 / K6): rows 33 44.3-44.6 / 41.8-43.0 µs vs 46.1-46.6 / 42.9-44.5, rows 64
 # 47.7-48.7 / 42.6-44.5 vs 48.0-48.9 / 44.3-46.8; at 128 rows +4.4 µs on 4096×14336 (-2 on 14336×4096), 256
 # rows ±0.6, 512 rows +4.3-7.0: the early-launched next grid takes room from the multi-wave wgmma grid
-WGMMA_64 = WgmmaConfig(block_rows=64, stages=4, target_programs=1024, pdl=True)
+# Two chunks per wgmma wait with 3 buffers since 2026-12-02 (sixteenth session, whole calls, one graph of 32, three
+# shapes, K 3/4/6, rows 64: 3-9 % faster, e.g. 4096×14336 K4 39.3 vs 43.0 µs, 14336×4096 K6 38.2 vs 40.7, 8192×8192
+# K6 43.0 vs 46.5; 4 buffers paired within 1 %; at 128 rows per program paired -1.5 % on average, K4 up to +1 %: not
+# taken there)
+WGMMA_64 = WgmmaConfig(block_rows=64, stages=3, target_programs=1024, pdl=True, pair=True)
 # 17-32 rows: 32 rows per program, 3 buffers, ~1536 programs (H200, 2026-12-02, fifteenth session, whole calls,
 # one graph of 32 calls, three shapes, K 2-8, all codebooks: rows 32 K4 31.8 / 30.1 / 33.8 µs vs 42.0 / 40.0 /
 # 43.6 with the mma GEMV's two 16-row blocks, K6 35.1 / 33.4 / 37.0 vs 49.5 / 37.7 / 46.5; 64 rows per program
 # 42.7-53.7 at rows 32; ~512 / 768 / 1024 programs and 2 / 4 buffers within 1-10 % behind)
-WGMMA_32 = WgmmaConfig(block_rows=32, stages=3, target_programs=1536, pdl=True)
+# Both small-row buckets add their K splits into one buffer from 12 splits on (H200, 2026-12-02, sixteenth session,
+# whole calls, one graph of 32, two runs, every point at 12 / 23 splits faster: 14336×4096 rows 16 / 32 K3 28.3 /
+# 31.4 µs vs 28.9 / 32.2, K4 rows 32 29.2 vs 30.2, K6 30.0 / 32.9 vs 30.5 / 33.8; 8192×8192 K3 30.8 / 34.9 vs 31.0 /
+# 35.8, K4 32.9 vs 33.9, K6 32.5 / 35.9 vs 32.7 / 37.0; at 6 splits, 4096×14336, 0-3 % slower; at 64 rows mixed,
+# at 128 rows 1.2-1.4x slower: many rows per program make many adds)
+ATOMIC_MIN_SPLITS = 12
+WGMMA_32 = WgmmaConfig(block_rows=32, stages=3, target_programs=1536, pdl=True, atomic_min_splits=ATOMIC_MIN_SPLITS)
 # 9-16 rows (where linear.choose_path sends them here: K other than 1, 2, 4): 16 rows per program, 2 buffers,
 # ~1536 programs (same run, rows 16 K6 31.1 / 30.6 / 33.2 µs vs 32.8 / 32.7 / 36.0 with the mma GEMV; ~1024 /
 # 1280 / 2048 / 3072 programs, 3-4 buffers and the overlapped loop 0-10 % behind), two chunks per wgmma wait
 # (next run: K3 29.9 / 29.0 / 31.2 µs vs 30.2 / 29.6 / 32.3 one chunk per wait, K6 31.2 / 30.6 / 32.9 vs 31.2 /
 # 30.7 / 33.3; with 3-4 buffers slower; at 32 rows per program no gain)
-WGMMA_16 = WgmmaConfig(block_rows=16, stages=2, target_programs=1536, pdl=True, pair=True)
+WGMMA_16 = WgmmaConfig(block_rows=16, stages=2, target_programs=1536, pdl=True, pair=True,
+                       atomic_min_splits=ATOMIC_MIN_SPLITS)
 
 
 def default_wgmma_config(rows: int) -> WgmmaConfig:
@@ -134,6 +155,17 @@ def available(device: torch.device) -> bool:
 @lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(index))
+
+
+def use_atomic(cfg: WgmmaConfig, splits: int) -> bool:
+    """The launch adds its ``splits`` K splits into one buffer (``cfg.atomic_min_splits``)."""
+    return 0 < cfg.atomic_min_splits <= splits and not env.KERNEL_DETERMINISTIC.get()
+
+
+def launch_splits(k_tiles: int, n_tiles: int, cfg: WgmmaConfig) -> tuple[int, int, bool]:
+    """(splits, k-tiles per split, atomic) of a launch over a ``k_tiles × n_tiles`` layer under ``cfg``."""
+    splits, k_per = wgmma_splits(k_tiles, n_tiles // WARPS, cfg.target_programs)
+    return splits, k_per, use_atomic(cfg, splits)
 
 
 def wgmma_splits(k_tiles: int, programs: int, target: int) -> tuple[int, int]:
@@ -337,7 +369,7 @@ if HAVE_GLUON:
     def _wgmma_kernel(x_desc, w_ptr, z_ptr, rows, k_tiles, n_tiles, k_per, stride_zs, one,
                       KA: gl.constexpr, HALF: gl.constexpr, NWL: gl.constexpr, TEXT: gl.constexpr,
                       CONS: gl.constexpr, BR: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                      PDL: gl.constexpr = False, PAIR: gl.constexpr = False):
+                      PDL: gl.constexpr = False, PAIR: gl.constexpr = False, ATOMIC: gl.constexpr = False):
         """Program (pid_n, pid_m, pid_k): columns ``64·pid_n …``, rows ``BR·pid_m …``, k-tiles
         ``[pid_k·k_per, …)`` of ``z[pid_k] = x'·Q``; ``x_desc``: TMA descriptor of x' ([rows, K] fp16,
         ``[BR, 64]`` boxes). ``PDL`` (programmatic dependent launch): the next kernel may launch now; the
@@ -371,7 +403,10 @@ if HAVE_GLUON:
         nn = gl.arange(0, 16 * _WARPS, layout=gl.SliceLayout(1, MMA))
         mm = gl.arange(0, BR, layout=gl.SliceLayout(0, MMA))
         offs = (m0 + mm)[None, :].to(gl.int64) * (n_tiles * 16) + (pid_n * 16 * _WARPS + nn)[:, None]
-        gl.store(z_ptr + pid_k.to(gl.int64) * stride_zs + offs, acc, mask=((m0 + mm) < rows)[None, :])
+        if ATOMIC:                  # every split into z[0] (the host passes stride_zs = 0)
+            gl.atomic_add(z_ptr + offs, acc, mask=((m0 + mm) < rows)[None, :], sem="relaxed")
+        else:
+            gl.store(z_ptr + pid_k.to(gl.int64) * stride_zs + offs, acc, mask=((m0 + mm) < rows)[None, :])
 
 
 def padded_rows(rows: int, cfg: WgmmaConfig) -> int:
@@ -383,14 +418,17 @@ def padded_rows(rows: int, cfg: WgmmaConfig) -> int:
 
 
 def wgmma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Optional[WgmmaConfig] = None,
-                  pdl: bool = False, rows: Optional[int] = None) -> torch.Tensor:
+                  pdl: bool = False, rows: Optional[int] = None, acc: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Split-K partials ``z [splits, rows, out_p]`` (fp32) of ``xh[:rows]`` (fp16, row-major, 16-byte
-    aligned rows) times the layer's Q, on a device where :func:`available` holds. ``rows`` (default: all of
+    aligned rows) times the layer's Q, on a device where :func:`available` holds; where :func:`use_atomic` the
+    splits are added into one buffer ``[1, rows, out_p]``: ``acc`` if given (zeroed by the caller, e.g. by the
+    pre-pass), else a zeroed new one. ``rows`` (default: all of
     ``xh``): ``xh`` may hold more rows — give it :func:`padded_rows` rows (their content is read but only
     changes rows of the product that are not stored), else the last row block's TMA boxes reach past its end,
     which is correct but slow. ``pdl``: launch as a programmatic dependent of the kernel that wrote ``xh``
     (and let the next one launch early)."""
     from ..format.bits import bits_from_trellis
+    from .linear import split_buffer
     if not available(xh.device):
         raise RuntimeError("the wgmma kernel needs a CUDA device of compute capability 9.0 and Triton's Gluon "
                            "(and EXL3RT_KERNEL_NO_WGMMA / EXL3RT_KERNEL_NO_ASM unset)")
@@ -408,22 +446,22 @@ def wgmma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: O
     grid_n, grid_m = n_tiles // WARPS, math.ceil(rows / cfg.block_rows)
     # the split follows from the layer and the row bucket, never from the row count itself (the post-pass
     # specializes on it): a prewarm at one row count of the bucket covers every other
-    splits, k_per = wgmma_splits(k_tiles, grid_n, cfg.target_programs)
-    z = torch.empty((splits, rows, n_tiles * 16), dtype=torch.float32, device=xh.device)
+    splits, k_per, atomic = launch_splits(k_tiles, n_tiles, cfg)
+    z = split_buffer("wgmma_rotated", acc, atomic, splits, rows, n_tiles * 16, xh.device)
     desc = TensorDescriptor.from_tensor(xh, [cfg.block_rows, KC * 16], _x_layout(cfg.block_rows))
     extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
     if pdl:
         extra["launch_pdl"] = True
     _wgmma_kernel[(grid_n, grid_m, splits)](desc, trellis.view(torch.int32), z, rows, k_tiles, n_tiles, k_per,
-                                            z.stride(0), 1, num_warps=WARPS,
-                                            **kernel_constants(bits_from_trellis(trellis), codebook, cfg, pdl),
+                                            0 if atomic else z.stride(0), 1, num_warps=WARPS,
+                                            **kernel_constants(bits_from_trellis(trellis), codebook, cfg, pdl, atomic),
                                             **extra)
     return z
 
 
-def kernel_constants(bits, codebook: str, cfg: WgmmaConfig, pdl: bool = False) -> dict:
-    """The compile-time arguments of ``_wgmma_kernel`` for K = ``bits``, ``codebook`` and ``cfg`` (PDL only
-    when set: the kernel's default)."""
+def kernel_constants(bits, codebook: str, cfg: WgmmaConfig, pdl: bool = False, atomic: bool = False) -> dict:
+    """The compile-time arguments of ``_wgmma_kernel`` for K = ``bits``, ``codebook`` and ``cfg`` (PDL and
+    ATOMIC only when set: the kernel's defaults)."""
     from .lane_decode import lane_decode_ptx, lane_span_words
     from .linear import _cb_args, _kernel_bits
     ka, half = _kernel_bits(bits)
@@ -432,6 +470,8 @@ def kernel_constants(bits, codebook: str, cfg: WgmmaConfig, pdl: bool = False) -
                STAGES=cfg.stages, OVERLAP=cfg.overlap, PAIR=cfg.pair)
     if pdl:
         out["PDL"] = True
+    if atomic:
+        out["ATOMIC"] = True
     return out
 
 
@@ -441,6 +481,6 @@ def _x_layout(block_rows: int):
 
 
 __all__ = ["HAVE_GLUON", "WgmmaConfig", "available", "default_wgmma_config", "kernel_constants", "padded_rows",
-           "wgmma_rotated",
+           "wgmma_rotated", "use_atomic", "launch_splits", "ATOMIC_MIN_SPLITS",
            "wgmma_splits",
-           "WGMMA_16", "WGMMA_32", "WGMMA_64", "WGMMA_128", "WGMMA_256"]
+           "WGMMA_16", "WGMMA_32", "WGMMA_64", "WGMMA_128", "WGMMA_256", "WGMMA_256_PAIR"]
