@@ -32,7 +32,7 @@ hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA device of comput
 
 
 def test_applies_only_to_wgmma_devices_and_prefill_blocks():
-    assert mw.BLOCKS == (32, 64, 128) and mw.SETTINGS[32] == (2, True)       # blocks of 32: paired chunks
+    assert tuple(mw.SETTINGS) == (32, 64, 128) and mw.SETTINGS[32] == (2, True)       # blocks of 32: paired chunks
     assert all(stages >= 2 for stages, pair in mw.SETTINGS.values() if pair)
     assert not mw.applies(torch.device("cpu"), 64)
     if ON_HOPPER:
@@ -161,7 +161,7 @@ def test_fused_path_sends_blocks_of_64_to_the_wgmma_launch(monkeypatch):
         calls.append((tuple(xs.shape), second is not None))
         return tiered_partials(xs, tiers, *common, second=second, zero=False, nt=1, num_warps=8)
 
-    monkeypatch.setattr(mw, "applies", lambda device, block_m: block_m in mw.BLOCKS)
+    monkeypatch.setattr(mw, "applies", lambda device, block_m: block_m in mw.SETTINGS)
     monkeypatch.setattr(mw, "tiered_partials_wgmma", stand_in)
     bits = (4, 3, 3)
     experts = _experts(bits, seed=11)

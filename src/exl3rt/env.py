@@ -125,7 +125,7 @@ KERNEL_NO_WGMMA: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_NO_WGMMA", False, _flag,
     "1: never use the Hopper wgmma kernels (linear layers: 17-256 and 417-512 rows, 9-16 at K other than 1, 2, 4, "
     "then take the mma GEMV / decode + cuBLAS; "
-    "MoE: prefill route blocks of 64/128 take the mma tiered launch)")
+    "MoE: prefill route blocks of 32/64/128 take the mma tiered launch)")
 
 
 def _positive_int(raw: str) -> int:

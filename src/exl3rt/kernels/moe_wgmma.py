@@ -37,7 +37,6 @@ from .wgmma import HAVE_GLUON, KC, WARPS
 #: too, same day: rows 1024 / 1536 (block 64), 2048 / 3072 (block 128): I 2048 4695 / 5028 / 6650 / 7325 µs vs
 #: 5008 / 5325 / 7056 / 7782 unpaired with 4 buffers, I 512 1666 / 1833 / 2417 / 2785 vs 1757 / 1916 / 2550 / 2899
 SETTINGS = {32: (2, True), 64: (3, True), 128: (4, True)}
-BLOCKS = tuple(SETTINGS)
 #: the programs the K split aims at (prefill grids are large: no split then)
 TARGET_PROGRAMS = 1024
 
@@ -185,4 +184,4 @@ def kernel_constants(tier_bits: Sequence, codebook: str, block_m: int, nproj: in
     return out
 
 
-__all__ = ["BLOCKS", "applies", "kernel_constants", "tiered_partials_wgmma"]
+__all__ = ["SETTINGS", "applies", "kernel_constants", "tiered_partials_wgmma"]
