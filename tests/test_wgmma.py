@@ -32,6 +32,9 @@ hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA device of comput
 def test_row_buckets_and_splits():
     assert [wg.default_wgmma_config(r).block_rows for r in (1, 9, 16, 17, 32, 33, 64, 65, 128, 129, 640)] == \
         [16, 16, 16, 32, 32, 64, 64, 128, 128, 256, 256]
+    # from 129 rows: the overlapped loop where the lane decode has no normalizing shift (K 4, 8), else the paired
+    assert [wg.default_wgmma_config(256, k) for k in (1, 2, 2.5, 3, 4, 5, 6, 8)] == \
+        [wg.WGMMA_256_PAIR] * 4 + [wg.WGMMA_256] + [wg.WGMMA_256_PAIR] * 2 + [wg.WGMMA_256]
     for k_tiles in (8, 24, 256, 896):
         for programs in (1, 7, 64, 224, 5000):
             for target in (256, 1024):

@@ -419,7 +419,7 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
         _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0), pdl=pdl)
         return y
     if path == "wgmma":
-        wcfg = _wg.default_wgmma_config(rows)
+        wcfg = _wg.default_wgmma_config(rows, kbits)
         pdl = wcfg.pdl and _use_pdl(x.device)
         # x' in whole row blocks (no TMA box past its end: ~2x faster for a partial last block); rows past x's
         # are left unwritten: they only reach product rows that are not stored
@@ -452,7 +452,7 @@ def specialization(rows: int, bits: Bits = 4, wgmma: bool = False) -> tuple:
     Hadamard passes' row block (the kernels do not specialize on ``rows`` itself)."""
     path = choose_path(rows, wgmma=wgmma, bits=bits)
     cfg = (default_mma_config(rows, bits) if path == "mma" else
-           _wg.default_wgmma_config(rows) if path == "wgmma" else None)
+           _wg.default_wgmma_config(rows, bits) if path == "wgmma" else None)
     return (path, cfg, min(16, next_pow2(rows)))
 
 

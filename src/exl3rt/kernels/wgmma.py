@@ -135,13 +135,18 @@ WGMMA_16 = WgmmaConfig(block_rows=16, stages=2, target_programs=1536, pdl=True, 
                        atomic_min_splits=ATOMIC_MIN_SPLITS)
 
 
-def default_wgmma_config(rows: int) -> WgmmaConfig:
-    """The launch configuration for ``rows`` (one of five row buckets: ≤ 16, ≤ 32, ≤ 64, ≤ 128, more)."""
+def default_wgmma_config(rows: int, bits=4) -> WgmmaConfig:
+    """The launch configuration for ``rows`` (one of five row buckets: ≤ 16, ≤ 32, ≤ 64, ≤ 128, more) at K =
+    ``bits`` (from 129 rows: the overlapped loop at K 4 and 8, the paired loop at the others)."""
     if rows <= 32:
         return WGMMA_16 if rows <= 16 else WGMMA_32
     if rows <= 64:
         return WGMMA_64
-    return WGMMA_128 if rows <= 128 else WGMMA_256
+    if rows <= 128:
+        return WGMMA_128
+    from .lane_decode import needs_shift
+    from .linear import _kernel_bits
+    return WGMMA_256_PAIR if needs_shift(*_kernel_bits(bits)) else WGMMA_256
 
 
 def available(device: torch.device) -> bool:
@@ -442,7 +447,7 @@ def wgmma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: O
                          f"{xh.dtype} {tuple(xh.shape)} strides {xh.stride()}")
     if k_tiles % KC or n_tiles % WARPS:
         raise ValueError(f"wgmma_rotated: widths must be multiples of 64 ({16 * k_tiles} × {16 * n_tiles})")
-    cfg = cfg or default_wgmma_config(rows)
+    cfg = cfg or default_wgmma_config(rows, bits_from_trellis(trellis))
     grid_n, grid_m = n_tiles // WARPS, math.ceil(rows / cfg.block_rows)
     # the split follows from the layer and the row bucket, never from the row count itself (the post-pass
     # specializes on it): a prewarm at one row count of the bucket covers every other
