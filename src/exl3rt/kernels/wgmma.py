@@ -68,7 +68,10 @@ class WgmmaConfig:
     ``overlap``: decode chunk c + 1 while chunk c's wgmma runs (one wgmma group in flight) instead of waiting
     for each chunk's wgmma before decoding the next; ``pdl``: ``exl3_linear`` launches the call's three
     kernels with programmatic dependent launch (where the device and Triton support it); ``pair`` (with the
-    waiting loop and ``stages`` >= 2): decode two chunks, then issue both wgmmas and wait once."""
+    waiting loop and ``stages`` >= 2): decode two chunks, then issue both wgmmas and wait once;
+    ``atomic_min_splits`` (> 0): from this many K splits on, the splits add into one buffer (:func:`use_atomic`);
+    ``stored_target_programs`` (> 0): where the splits at ``target_programs`` stay below that (each split stores
+    its own partials), K is split for about this many programs instead."""
     block_rows: int = 256
     stages: int = 3
     target_programs: int = 256
@@ -77,6 +80,7 @@ class WgmmaConfig:
     pdl: bool = False
     pair: bool = False
     atomic_min_splits: int = 0
+    stored_target_programs: int = 0
 
     def __post_init__(self):
         if self.pair and (self.overlap or self.stages < 2):
@@ -131,8 +135,15 @@ WGMMA_32 = WgmmaConfig(block_rows=32, stages=3, target_programs=1536, pdl=True, 
 # 1280 / 2048 / 3072 programs, 3-4 buffers and the overlapped loop 0-10 % behind), two chunks per wgmma wait
 # (next run: K3 29.9 / 29.0 / 31.2 µs vs 30.2 / 29.6 / 32.3 one chunk per wait, K6 31.2 / 30.6 / 32.9 vs 31.2 /
 # 30.7 / 33.3; with 3-4 buffers slower; at 32 rows per program no gain)
+# Where those splits stay below ATOMIC_MIN_SPLITS (each split stores partials), ~896 programs (H200, 2026-12-02,
+# seventeenth session, whole calls, one graph of 32, bf16 in the same run; µs at rows 16 / 12): 4096×14336 (4
+# splits instead of 6) K6 30.4-30.5 / 30.2 vs 31.0-31.1 / 30.3-30.4, K3 29.0 / 28.3-28.5 vs 29.6 / 29.0, K5
+# 30.3-30.4 / 30.2 vs 31.0 / 30.3-30.4; 3 / 2 splits 1.04-1.14x slower, 5 within 1 %. More splits into one
+# buffer were slower there (11 / 16 splits: K6 rows 16 32.7 / 34.1). 14336×4096 keeps 23 splits into one buffer
+# (14 were 1-2 % slower), 8192×8192 its 12 (7 stored splits 1-2 % faster, 8 stored 1-2 % slower: not taken
+# as a rule); at 17-32 rows fewer splits were mixed (4096×14336 4 splits -3 % … +1 %, 5 splits -1 … +3 %)
 WGMMA_16 = WgmmaConfig(block_rows=16, stages=2, target_programs=1536, pdl=True, pair=True,
-                       atomic_min_splits=ATOMIC_MIN_SPLITS)
+                       atomic_min_splits=ATOMIC_MIN_SPLITS, stored_target_programs=896)
 
 
 def default_wgmma_config(rows: int, bits=4) -> WgmmaConfig:
@@ -170,7 +181,10 @@ def use_atomic(cfg: WgmmaConfig, splits: int) -> bool:
 def launch_splits(k_tiles: int, n_tiles: int, cfg: WgmmaConfig) -> tuple[int, int, bool]:
     """(splits, k-tiles per split, atomic) of a launch over a ``k_tiles × n_tiles`` layer under ``cfg``."""
     splits, k_per = wgmma_splits(k_tiles, n_tiles // WARPS, cfg.target_programs)
-    return splits, k_per, use_atomic(cfg, splits)
+    atomic = use_atomic(cfg, splits)
+    if not atomic and cfg.stored_target_programs > 0:
+        splits, k_per = wgmma_splits(k_tiles, n_tiles // WARPS, cfg.stored_target_programs)
+    return splits, k_per, atomic
 
 
 def wgmma_splits(k_tiles: int, programs: int, target: int) -> tuple[int, int]:
