@@ -157,6 +157,7 @@ def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch, top_k):
     layer = MoELayerRuntime(layout.layer, layout, experts, hidden=1024, intermediate=512, top_k=top_k,
                             settings=settings, cache=MoERuntimeCache(triton_launch_factory),
                             owner=Owner.of(SimpleNamespace(), layout.layer))
+    _force_pdl(monkeypatch)              # the decode plan's dependent launches (1-4 rows) are specializations too
     record(monkeypatch, names, real)
     # split K as on a GPU, with a target small enough that the splits (and k-tiles per split) vary with the rows
     # at this small geometry, as they do at real ones with the real target
@@ -299,6 +300,108 @@ def test_decode_plan_adds_its_splits_into_one_buffer(monkeypatch):
     with pytest.raises(ValueError, match="acc must be"):
         real(xs, w.up, pack.block_experts, pack.num_padded, w.descriptors, w.shift, 8, "mcg", atomic=True,
              acc=torch.zeros(1, 2, pack.capacity, 128, device=DEV))
+
+
+def _force_pdl(monkeypatch):
+    """Programmatic dependent launch as on an H200 (the kernels are recorders or built for sm_90: nothing runs)."""
+    from exl3rt.kernels import moe as km
+    monkeypatch.setattr(km, "_use_pdl", lambda device: True)
+    monkeypatch.setattr(km, "_pdl_args", lambda device: {"PDL": True, "launch_pdl": True})
+
+
+def test_decode_plan_is_a_dependent_launch_chain_up_to_four_rows(monkeypatch):
+    """Route blocks of 8 (:func:`default_glue`: ``pdl_max_rows`` 4): where the device has programmatic dependent
+    launch, calls of 1-4 rows make all six launches dependent launches (the ``PDL`` constexpr and the launch
+    option), calls of 5-8 rows none; route blocks of 16 never. ``pdl_max_rows`` follows the row buckets."""
+    from exl3rt.kernels import moe as km
+    from exl3rt.kernels import moe_glue as mg
+    assert default_glue(8).pdl_max_rows == 4 and default_glue(16).pdl_max_rows == 0
+    with pytest.raises(ValueError, match="power of two"):
+        GlueLaunch(pdl_max_rows=3)
+    _force_pdl(monkeypatch)
+    bits = (3, 4, 3)
+    w = MoEWeights.from_experts(tiers_from_bitrates(list(bits)), _experts(bits, seed=13))
+    names = [(km, "_moe_mma_kernel"), (mg, "_moe_pack_kernel"), (mg, "_moe_pre_kernel"), (mg, "_moe_mid_kernel"),
+             (mg, "_moe_post_kernel")]
+    for block_m, rows in ((8, range(1, 9)), (16, (1, 2))):
+        for t in rows:
+            keys = set()
+            record(monkeypatch, names, keys)
+            exl3_moe(*_inputs(t, len(bits), 2, seed=t), w, block_m=block_m)
+            pdl = {k[0]: (("PDL", "True") in k, ("launch_pdl", "True") in k) for k in keys}
+            assert len(pdl) == 5, pdl
+            want = block_m == 8 and t <= 4
+            assert set(pdl.values()) == {(want, want)}, (block_m, t, pdl)
+
+
+def _sm90_ops(module: str, name: str, args: dict, const: dict) -> list[str]:
+    """The SASS opcodes (with operands) of ``module.name`` built for sm_90 in a fresh process (no GPU needed)."""
+    from sass_check import build_sm90_triton
+    sass = build_sm90_triton(module, name, args, const, num_warps=1)
+    if sass is None:
+        pytest.skip("this Triton ships no nvdisasm")
+    return [ln.split("*/")[-1].split(";")[0].strip() for ln in sass.splitlines() if "/*" in ln and "*/" in ln]
+
+
+def test_dependent_launch_builds_wait_where_the_chain_needs_it():
+    """Built for sm_90 (no GPU needed): the tiered launch with ``PDL`` reads the packer's outputs from L2
+    (``LDG.E.STRONG.GPU``), then its first trellis words, and only then waits for the pass that wrote x'
+    (``ACQBULK``, once per tier's pass; no early trigger, ``PREEXIT``); without ``PDL`` neither instruction. The
+    pre-pass triggers its dependent (``PREEXIT``) only after its own wait (so the tiered launch's early reads
+    find the packer done); the post-pass triggers first."""
+    from exl3rt.kernels import linear as kl, mma as _mm
+    cb, mult, add = kl._cb_args("mcg")
+    args = {n: "i32" for n in ("numel", "rows", "k_tiles", "n_tiles", "k_per", "stride_x", "stride_zs", "one",
+                               "n_blocks", "stride_xp", "stride_zp")}
+    args.update({"x_ptr": "*fp16", "z_ptr": "*fp32", "blk_ptr": "*i32", "desc_ptr": "*i32", "npad_ptr": "*i32",
+                 "routes_ptr": "*i32", **{f"{c}{i}": "*i32" for c in "wv" for i in range(4)}})
+    for pdl in (False, True):
+        const = dict(SHIFT=8, NTIERS=2, K0A=3, K0H=0, N0=_mm.words_per_lane(3), K1A=4, K1H=0, N1=_mm.words_per_lane(4),
+                     K2A=1, K2H=0, N2=2, K3A=1, K3H=0, N3=2, CB=cb, MULT=mult, ADD=add, NT=4, WARPS=1, BLOCK_M=8,
+                     ASM=True, NPROJ=2, XFRAG=True, MB=1, REAL=True, HALVES=True, ATOMIC=True, PDL=pdl)
+        ops = _sm90_ops("exl3rt.kernels.moe", "_moe_mma_kernel", args, const)
+        waits = [i for i, o in enumerate(ops) if o.startswith("ACQBULK")]
+        assert not any(o.startswith("PREEXIT") for o in ops)
+        if not pdl:
+            assert not waits and not next(o for o in ops if "LDG" in o).startswith("LDG.E.STRONG.GPU")
+            continue
+        assert len(waits) == 2                                   # one per tier's pass
+        before = ops[:waits[0]]
+        strong = [i for i, o in enumerate(before) if o.startswith("LDG.E.STRONG.GPU")]
+        words = [i for i, o in enumerate(before) if o.startswith("LDG.E ")]
+        assert len(strong) >= 2 and len(words) >= 8 and max(strong) < words[-8]
+    glue = {"_moe_pre_kernel": ({n: "*fp16" if n in ("x_ptr", "xs_ptr") else "*i32" if n.endswith("_ptr") else "i32"
+                                 for n in ("x_ptr", "routes_ptr", "blk_ptr", "npad_ptr", "su_ptr", "sg_ptr", "xs_ptr",
+                                           "pos_ptr", "slots", "numel", "k", "H", "stride_x", "su_se", "sg_se",
+                                           "stride_xsp", "two", "zz_n", "zz_pstride")}
+                                | {"su_ptr": "*fp32", "sg_ptr": "*fp32", "zz_ptr": "*fp32"},
+                                dict(BR=4, BLOCK_M=8, FRAG=2, ZNP=0, PDL=True), ("ACQBULK", "PREEXIT")),
+            "_moe_post_kernel": ({n: "*fp32" if n in ("z_ptr", "w_ptr", "sv_ptr") else "*bf16" if n == "y_ptr" else
+                                  "*i32" if n.endswith("_ptr") else "i32"
+                                  for n in ("z_ptr", "routes_ptr", "pos_ptr", "blk_ptr", "w_ptr", "sv_ptr", "y_ptr",
+                                            "numel", "k", "H", "splits", "stride_zs", "sv_se", "cap")},
+                                 dict(KP=8, SB=1, BLOCK_M=8, PDL=True), ("PREEXIT", "ACQBULK"))}
+    for name, (gargs, gconst, order) in glue.items():
+        ops = _sm90_ops("exl3rt.kernels.moe_glue", name, gargs, gconst)
+        first = [next(i for i, o in enumerate(ops) if o.startswith(op)) for op in order]
+        assert first[0] < first[1], (name, order)
+        assert min(i for i, o in enumerate(ops) if "LDG" in o) > first[order.index("ACQBULK")], name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (dependent launches)")
+def test_dependent_launch_chain_computes_the_layer_on_a_gpu():
+    """On a GPU (compiled kernels; a dependent launch chain where the device has it): 1-4 rows with
+    :func:`default_glue` equal the same calls without dependent launches (fp32 add order only) and the float64
+    loop, at real widths and several K splits."""
+    bits = (3, 4, 3, 4)
+    experts = _experts(bits, h=1024, i=512, seed=14)
+    w = MoEWeights.from_experts(tiers_from_bitrates(list(bits)), experts)
+    off = dataclasses.replace(default_glue(8), pdl_max_rows=0)
+    for t in (1, 2, 3, 4):
+        x, ids, wts = _inputs(t, len(bits), 2, h=1024, seed=20 + t)
+        y = exl3_moe(x, ids, wts, w, block_m=8)
+        assert _rel(y, exl3_moe(x, ids, wts, w, block_m=8, glue=off).double().cpu()) < 1e-5
+        assert _rel(y, _loop(x, ids, wts, experts)) < 2e-3
 
 
 def test_fragment_order_needs_whole_row_blocks():

@@ -55,17 +55,20 @@ def test_small_row_buckets_add_many_splits_into_one_buffer(monkeypatch):
     """9-32 rows (16/32 rows per program) add their K splits into one buffer from ATOMIC_MIN_SPLITS splits on
     (14336 × 4096: 23 splits; 4096 × 14336: 6 at 32 rows, stored); larger row buckets never; not with
     ``EXL3RT_KERNEL_DETERMINISTIC``. Where 16 rows per program stay below it, K is split for ~896 programs
-    (``stored_target_programs``): 4096 × 14336 in 4 splits of 64 k-tiles (224 column groups × 4)."""
+    (``stored_target_programs``): 4096 × 14336 in 4 splits of 64 k-tiles (224 column groups × 4); 16 rows per
+    program add into one buffer only from 16 splits (8192 × 8192: 7 stored splits, not 12 added)."""
     assert wg.launch_splits(896, 256, wg.WGMMA_16) == (23, 40, True)
     assert wg.launch_splits(896, 256, wg.WGMMA_32)[0::2] == (23, True)
-    assert wg.launch_splits(512, 512, wg.WGMMA_16)[0::2] == (12, True)          # 8192 × 8192
+    assert wg.launch_splits(512, 512, wg.WGMMA_32)[0::2] == (12, True)          # 8192 × 8192
+    assert wg.launch_splits(512, 512, wg.WGMMA_16) == (7, 76, False)           # (one buffer from 16 splits)
     assert wg.launch_splits(256, 896, wg.WGMMA_32)[0::2] == (6, False)           # 4096 × 14336
     assert wg.launch_splits(256, 896, wg.WGMMA_16) == (4, 64, False)
     assert wg.wgmma_splits(256, 224, 1536) == (6, 44)                            # what 16 rows would get at 1536
     for cfg in (wg.WGMMA_64, wg.WGMMA_128, wg.WGMMA_256):
         assert not wg.use_atomic(cfg, 1000)
-    assert [wg.use_atomic(wg.WGMMA_16, n) for n in (1, wg.ATOMIC_MIN_SPLITS - 1, wg.ATOMIC_MIN_SPLITS)] == \
+    assert [wg.use_atomic(wg.WGMMA_32, n) for n in (1, wg.ATOMIC_MIN_SPLITS - 1, wg.ATOMIC_MIN_SPLITS)] == \
         [False, False, True]
+    assert [wg.use_atomic(wg.WGMMA_16, n) for n in (12, 15, 16)] == [False, False, True]
     monkeypatch.setenv("EXL3RT_KERNEL_DETERMINISTIC", "1")
     assert wg.launch_splits(896, 256, wg.WGMMA_16) == (14, 64, False)           # stored: ~896 programs
     assert wg.launch_splits(896, 256, wg.WGMMA_32) == (23, 40, False)

@@ -42,7 +42,7 @@ from ..util.ints import next_pow2
 from . import mma as _mm
 from . import moe_wgmma as _mwg
 from ._triton import HAVE_TRITON, tl, triton
-from .linear import _cb_args, _kernel_bits, _use_asm, gemv_splits, use_halves
+from .linear import _cb_args, _kernel_bits, _pdl_args, _use_asm, _use_pdl, gemv_splits, use_halves
 
 MAX_TIERS = 4
 
@@ -67,14 +67,21 @@ if HAVE_TRITON:
                    KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr,
                    NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr, ASM: tl.constexpr,
                    SWAP: tl.constexpr, XFRAG: tl.constexpr, MB: tl.constexpr, HALVES: tl.constexpr = False,
-                   ATOMIC: tl.constexpr = False):
+                   ATOMIC: tl.constexpr = False, PDL: tl.constexpr = False):
         """One pass of 16·MB routes (8 with SWAP; MB 16-row blocks share each decoded tile) of one tier:
         expert ``local`` of the tier's stacked trellis at ``w_ptr``; 16-row blocks past ``lim`` (padding
         slots only) load no x' and run no mma."""
         estride = k_tiles * n_tiles * (8 * KA + 4 * HALF)          # int32 words per expert
         _mma_pass(x_ptr, w_ptr + local * estride, z_ptr, lim, m0, a0, a1, pid_n, n_tiles, stride_x, one,
-                  KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, False, MB, SWAP, False, _unroll_for(KA, HALF),
+                  KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, False, MB, SWAP, PDL, _unroll_for(KA, HALF),
                   XFRAG, MB > 1, HALVES, ATOMIC)
+
+    @triton.jit
+    def _ld_pack(ptr, PDL: tl.constexpr):
+        """A load of the packer's output; with ``PDL`` from L2 (``.cg``), as it is read before this launch waits."""
+        if PDL:
+            return tl.load(ptr, cache_modifier=".cg")
+        return tl.load(ptr)
 
     # k_per follows from the row count (the split-K target counts route blocks): no specialization on it,
     # or a prewarm at one row count would not cover another
@@ -90,7 +97,7 @@ if HAVE_TRITON:
                         CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr, NT: tl.constexpr,
                         WARPS: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr, NPROJ: tl.constexpr,
                         XFRAG: tl.constexpr = False, MB: tl.constexpr = 1, REAL: tl.constexpr = False,
-                        HALVES: tl.constexpr = False, ATOMIC: tl.constexpr = False):
+                        HALVES: tl.constexpr = False, ATOMIC: tl.constexpr = False, PDL: tl.constexpr = False):
         """z[slot, :] = x'[slot, :]·Q_e for the BLOCK_M slots of route block ``program_id(1)``
         (expert e = blk[j]), the n-tiles of ``program_id(0)``, K-split ``program_id(2)`` (partials
         ``z[split]``); blocks past ``npad / BLOCK_M`` exit. NPROJ = 2: two projections of the same
@@ -100,7 +107,10 @@ if HAVE_TRITON:
         blocks per pass sharing each decoded tile (``BLOCK_M`` a multiple of 16·MB). ``REAL``: the block's live
         routes are counted in ``routes_ptr`` (sorted routes, padding ``>= numel``, at the tail of the block):
         rows past them are neither loaded nor stored, and 16-row blocks of padding only run no mma. ``ATOMIC``
-        (``stride_zs = 0``): every K split adds into ``z[…, 0]`` (``red.add``) instead of storing its partials."""
+        (``stride_zs = 0``): every K split adds into ``z[…, 0]`` (``red.add``) instead of storing its partials.
+        ``PDL`` (programmatic dependent launch): the block's expert, tier and first trellis words are read before
+        the wait for the pass that wrote x' (that pass waited for the packer before it let this launch start);
+        no early trigger (the next pass's programs would hold multiprocessor slots while this grid runs)."""
         pid_n = tl.program_id(0)
         j = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -116,14 +126,14 @@ if HAVE_TRITON:
         a0 = pid_k * k_per
         a1 = tl.minimum(a0 + k_per, k_tiles)
         z_ptr = z_ptr + pid_k * stride_zs
-        if j * BLOCK_M < tl.load(npad_ptr):
-            e = tl.load(blk_ptr + j)
+        if j * BLOCK_M < _ld_pack(npad_ptr, PDL):
+            e = _ld_pack(blk_ptr + j, PDL)
             d = tl.load(desc_ptr + e)
             tier = d >> SHIFT
             local = d & ((1 << SHIFT) - 1)
             if REAL:
                 sl = j * BLOCK_M + tl.arange(0, BLOCK_M)
-                lim = j * BLOCK_M + tl.sum((tl.load(routes_ptr + sl) < numel).to(tl.int32), axis=0)
+                lim = j * BLOCK_M + tl.sum((_ld_pack(routes_ptr + sl, PDL) < numel).to(tl.int32), axis=0)
             else:
                 lim = tl.minimum(rows, (j + 1) * BLOCK_M)
             # blocks of at most 8 routes (the decode plan): the decoded tile is the mma's A operand
@@ -133,22 +143,22 @@ if HAVE_TRITON:
                 if tier == 0:
                     _tier_pass(x_ptr, w0, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
                                K0A, K0H, CB, MULT, ADD, NT, WARPS, N0, ASM, BLOCK_M <= 8, XFRAG, MB,
-                               HALVES, ATOMIC)
+                               HALVES, ATOMIC, PDL)
                 if NTIERS > 1:
                     if tier == 1:
                         _tier_pass(x_ptr, w1, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
                                    K1A, K1H, CB, MULT, ADD, NT, WARPS, N1, ASM, BLOCK_M <= 8, XFRAG, MB,
-                                   HALVES, ATOMIC)
+                                   HALVES, ATOMIC, PDL)
                 if NTIERS > 2:
                     if tier == 2:
                         _tier_pass(x_ptr, w2, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
                                    K2A, K2H, CB, MULT, ADD, NT, WARPS, N2, ASM, BLOCK_M <= 8, XFRAG, MB,
-                                   HALVES, ATOMIC)
+                                   HALVES, ATOMIC, PDL)
                 if NTIERS > 3:
                     if tier == 3:
                         _tier_pass(x_ptr, w3, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
                                    K3A, K3H, CB, MULT, ADD, NT, WARPS, N3, ASM, BLOCK_M <= 8, XFRAG, MB,
-                                   HALVES, ATOMIC)
+                                   HALVES, ATOMIC, PDL)
 
 
 def default_target_programs(device: torch.device) -> int:
@@ -203,7 +213,7 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
                     *, second: Optional[Sequence[torch.Tensor]] = None, nt: Optional[int] = None, num_warps: int = 1,
                     target_programs: Optional[int] = None, zero: bool = True, xfrag: bool = False,
                     routes: Optional[tuple[torch.Tensor, int]] = None, atomic: bool = False,
-                    acc: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    acc: Optional[torch.Tensor] = None, pdl: bool = False) -> torch.Tensor:
     """One tiered launch; returns the split-K partials ``z [P, splits, slots, out_p]`` (fp32) of
     ``xs[slot]·Q_{e(slot)}``. ``P = 1``, or 2 with ``second`` (a second projection of the same geometry
     and tier order, e.g. up next to gate, in the same launch): ``xs`` is then ``[slots, in_p]`` (both read
@@ -218,7 +228,9 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     order (:func:`frag_blocks`; route blocks of 8 or a multiple of 16), not row-major. Route blocks of 32/64
     run passes in which 2/4 16-row blocks share each decoded tile (:func:`pass_row_blocks`). ``atomic``: the K
     splits add into one buffer, ``z [P, 1, slots, out_p]`` (``red.add``; with ``zero=False`` the caller zeroes
-    the rows it will read before the launch; ``acc``: that buffer, given)."""
+    the rows it will read before the launch; ``acc``: that buffer, given). ``pdl``: a programmatic dependent
+    launch where the device has it (:func:`~exl3rt.kernels.linear._use_pdl`): the launch before it must be a
+    pass that waited for the packer before letting this one start (the fused passes of :func:`exl3_moe`)."""
     name = "grouped_gemv"
     nproj = 1 if second is None else 2
     in_p = xs.shape[-1]
@@ -265,7 +277,8 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
                           K2A=ks[2][0], K2H=ks[2][1], N2=nwl[2], K3A=ks[3][0], K3H=ks[3][1], N3=nwl[3],
                           CB=cb, MULT=mult, ADD=add, NT=ntw // warps, WARPS=warps, BLOCK_M=block_m,
                           ASM=_use_asm(xs.device), NPROJ=nproj, XFRAG=bool(frag), MB=pass_row_blocks(block_m),
-                          REAL=real, HALVES=use_halves(xs.device, cb), num_warps=warps)
+                          REAL=real, HALVES=use_halves(xs.device, cb), num_warps=warps,
+                          **(_pdl_args(xs.device) if pdl else {}))
     return z
 
 
@@ -368,10 +381,12 @@ PACK_MAX_ROUTES = 1024
 PACK_MAX_EXPERTS = 1024
 
 
-def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor) -> RoutePack:
+def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor,
+                      *, pdl: bool = False) -> RoutePack:
     """:func:`~exl3rt.moe.routing.pack_routes` (same outputs, bit for bit) as one Triton launch when
     ``T·k <= PACK_MAX_ROUTES`` and ``E <= PACK_MAX_EXPERTS``, else the torch packer. Fresh buffers
-    (``torch.empty``: the kernel writes every element)."""
+    (``torch.empty``: the kernel writes every element). ``pdl``: a programmatic dependent launch where the
+    device has it (it lets the next launch start at once, then waits for the previous one)."""
     from .moe_glue import _moe_pack_kernel
     numel, E = int(topk_ids.numel()), int(num_experts)
     if (topk_ids.dtype not in ID_DTYPES or topk_ids.dim() != 2 or not 0 < numel <= PACK_MAX_ROUTES
@@ -390,7 +405,8 @@ def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, ex
     emap = expert_map if expert_map.is_contiguous() else expert_map.contiguous()
     _moe_pack_kernel[(1,)](topk_ids.reshape(-1), emap, pack.sorted_routes, pack.block_experts, pack.num_padded,
                            pack.expert_counts, scratch, numel, int(emap.shape[0]), E, cap, pack.max_blocks,
-                           NP=np_, EP=next_pow2(E), FB=256, BLOCK_M=int(block_m), num_warps=4)
+                           NP=np_, EP=next_pow2(E), FB=256, BLOCK_M=int(block_m), num_warps=4,
+                           **(_pdl_args(dev) if pdl else {}))
     return pack
 
 
@@ -405,7 +421,12 @@ class GlueLaunch:
     (:mod:`exl3rt.kernels.moe_wgmma`; x'/h' then row-major, ``frag`` and ``skip_padding`` do not apply);
     ``atomic``: with route blocks of 8 (the decode plan) the tiered launches add their K splits into one buffer
     whose live rows the pass before zeroes (pre: gate/up, mid: down), and mid/post read one split
-    (``EXL3RT_KERNEL_DETERMINISTIC=1`` turns it off).
+    (``EXL3RT_KERNEL_DETERMINISTIC=1`` turns it off); ``pdl_max_rows``: calls of at most this many rows (0: none;
+    else a power of two, so that the choice follows the plan's row buckets, which prewarm covers) make the six
+    launches programmatic dependent launches where the device has them (not with the wgmma tiered launch;
+    ``EXL3RT_KERNEL_NO_PDL=1`` turns it off): each pass waits for the launch before it at its start, the pre- and
+    mid-pass let the next launch start once they have waited, and the tiered launches read their block's expert
+    and first trellis words before waiting.
     :func:`default_glue` gives the measured defaults; a tuning override of :func:`exl3_moe`."""
 
     pre_rows: int = 4
@@ -419,6 +440,12 @@ class GlueLaunch:
     skip_padding: bool = True
     wgmma: bool = True
     atomic: bool = True
+    pdl_max_rows: int = 0
+
+    def __post_init__(self):
+        n = self.pdl_max_rows
+        if n < 0 or n & (n - 1):
+            raise ValueError(f"GlueLaunch: pdl_max_rows must be 0 or a power of two (a row bucket's end), got {n}")
 
 
 def default_glue(block_m: int) -> GlueLaunch:
@@ -431,14 +458,20 @@ def default_glue(block_m: int) -> GlueLaunch:
     (mid-pass 13.8 → 4.8 µs at one row; 2026-12-01); fragment order 1–3 % with 8-row blocks, 0–2 % slower
     with 16, and with 32/64-row blocks 5–16 % faster (I 2048, 2048 rows, block 64: 8601 vs 10221 µs; 512
     rows, block 32: 4117 vs 4429; 2026-12-01, second run). Programmatic dependent launch between the six
-    launches was measured slower at 8 of 10 points (up to 13 %) and dropped. 8-row blocks: the post-pass reads
+    launches, first tried with every pass and tiered launch waiting at its start, was slower at 8 of 10 points
+    (up to 13 %; seventh session; see ``pdl_max_rows`` below for the form that pays). 8-row blocks: the post-pass reads
     one split per load with 2 warps (8 splits per load in one warp spilled: 255 registers for a token's 8
     routes × 8 splits × 128 columns): best of 12 shapes at one row in a same-run sweep (I 2048 123.4 µs, I 512
     52.0; the old shape 125–126.5 and 54.2–54.4 in the session's other runs), 8 and 32 rows within noise; a
     later separate run 125.6 / 55 µs, inside the old shape's spread (H200, 2026-12-01). ``atomic`` (route blocks of
-    8; twelfth session): one token 1-1.5 % faster, 8-32 rows unchanged (K is not split there)."""
+    8; twelfth session): one token 1-1.5 % faster, 8-32 rows unchanged (K is not split there). Programmatic
+    dependent launch (``pdl_max_rows``; seventeenth session, 2026-12-02, same-process A/B, 4 routings, one graph
+    per call / one graph of 8 calls, best of two): I 2048 rows 1 / 2 / 4 116.5 / 204.9 / 362.8 µs vs 120.9 /
+    206.5 / 366.1 (in 8: 108.2 / 192.4 / 349.9 vs 112.4 / 194.8 / 351.3), I 512 52.5 / 77.0 / 118.0 vs 54.0 /
+    78.7 / 123.6; at 8 rows ±1 %, at 32 rows 2-3.6 % slower (also with the tiered launches left out of it):
+    up to 4 rows."""
     if block_m <= 8:
-        return GlueLaunch(mid_rows=1, mid_splits=16, frag=True, post_splits=1, post_warps=2)
+        return GlueLaunch(mid_rows=1, mid_splits=16, frag=True, post_splits=1, post_warps=2, pdl_max_rows=4)
     return GlueLaunch(frag=pass_row_blocks(block_m) > 1)
 
 
@@ -452,7 +485,10 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     k = int(topk_ids.shape[1])
     numel = T * k
     dev = x.device
-    pack = pack_routes_fused(topk_ids, w.num_experts, block_m, w.expert_map)
+    use_wg = glue.wgmma and _mwg.applies(dev, block_m)
+    pdl = T <= glue.pdl_max_rows and not use_wg and _use_pdl(dev)
+    pd = _pdl_args(dev) if pdl else {}
+    pack = pack_routes_fused(topk_ids, w.num_experts, block_m, w.expert_map, pdl=pdl)
     slots = pack.capacity
     I = int(w.up[0].shape[2]) * 16
     if H % 128 or I % 128:
@@ -465,7 +501,6 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     gate_suh = w.gate_suh.contiguous() if two else up_suh
     xs = torch.empty((2 if two else 1, slots, H), dtype=torch.float16, device=dev)
     pos = torch.empty(max(numel, 1), dtype=torch.int32, device=dev)
-    use_wg = glue.wgmma and _mwg.applies(dev, block_m)
     frag = frag_blocks(block_m) if glue.frag and not use_wg else 0
     # 8-route blocks: the K splits add into one buffer per launch, whose live rows the pass before zeroes
     atomic = glue.atomic and block_m <= 8 and not use_wg and not env.KERNEL_DETERMINISTIC.get()
@@ -478,11 +513,11 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     _moe_pre_kernel[(triton.cdiv(slots, br), H // 128)](
         x, pack.sorted_routes, pack.block_experts, pack.num_padded, up_suh, gate_suh, xs, pos,
         slots, numel, k, H, x.stride(0), _row_stride(up_suh), _row_stride(gate_suh), slots * H, int(two),
-        BR=br, BLOCK_M=block_m, FRAG=frag, num_warps=glue.pre_warps, **zz)
+        BR=br, BLOCK_M=block_m, FRAG=frag, num_warps=glue.pre_warps, **zz, **pd)
 
     common = (pack.block_experts, pack.num_padded, w.descriptors, w.shift, block_m, w.codebook)
     tiered = dict(nt=nt, num_warps=num_warps, target_programs=target_programs, zero=False, xfrag=frag > 0,
-                  routes=(pack.sorted_routes, numel) if glue.skip_padding else None, atomic=atomic)
+                  routes=(pack.sorted_routes, numel) if glue.skip_padding else None, atomic=atomic, pdl=pdl)
 
     def launch(xin: torch.Tensor, tiers: list[torch.Tensor], second: Optional[list[torch.Tensor]] = None,
                acc: Optional[torch.Tensor] = None):
@@ -505,7 +540,7 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
         zgu, pack.sorted_routes, pack.block_experts, pack.num_padded, gate_svh, up_svh, down_suh, hs, slots, numel,
         I, splits, zgu.stride(1), zgu.stride(0), _row_stride(gate_svh), _row_stride(up_svh), _row_stride(down_suh),
         GATED=gated, BR=brm, SB=1 if atomic else glue.mid_splits, BLOCK_M=block_m, FRAG=frag,
-        num_warps=glue.mid_warps, **({"zz_ptr": zd, "zz_n": H, "ZERO_D": True} if atomic else {}))
+        num_warps=glue.mid_warps, **({"zz_ptr": zd, "zz_n": H, "ZERO_D": True} if atomic else {}), **pd)
 
     zd = launch(hs, w.down, acc=zd)[0]
     splits = int(zd.shape[0])
@@ -520,7 +555,7 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     sbp = glue.post_splits
     _moe_post_kernel[(T, H // 128)](
         zd, pack.sorted_routes, pos, pack.block_experts, wts, down_svh, y, numel, k, H, splits, zd.stride(0),
-        _row_stride(down_svh), slots, KP=kp, SB=sbp, BLOCK_M=block_m, num_warps=wp)
+        _row_stride(down_svh), slots, KP=kp, SB=sbp, BLOCK_M=block_m, num_warps=wp, **pd)
     if out is not None and y is not out:
         out.copy_(y)
         return out

@@ -27,7 +27,27 @@ from __future__ import annotations
 from ._triton import HAVE_TRITON, tl, triton
 
 if HAVE_TRITON:
+    from ._triton import HAVE_GDC
     from .hadamard import HAD_SCALE_C, _fwht128, _xfrag_offsets
+
+    if HAVE_GDC:
+        from ._triton import gdc_launch_dependents, gdc_wait
+    else:  # pragma: no cover - a Triton without grid dependency control: PDL is never asked for
+        gdc_launch_dependents = gdc_wait = None
+
+    @triton.jit
+    def _pdl_start(PDL: tl.constexpr, FIRST_TRIGGER: tl.constexpr):
+        """Programmatic dependent launch (``PDL``): wait for the previous launch's writes and let the next launch
+        start — trigger first (``FIRST_TRIGGER``), or only once this program has waited, so that a dependent
+        launched early finds every launch before this one complete (the tiered launch reads the packer's block
+        experts before its own wait)."""
+        if PDL:
+            if FIRST_TRIGGER:
+                gdc_launch_dependents()
+                gdc_wait()
+            else:
+                gdc_wait()
+                gdc_launch_dependents()
 
     @triton.jit
     def _sum_splits(ptr, offs, mask, splits, stride_s, SB: tl.constexpr, BR: tl.constexpr):
@@ -56,7 +76,8 @@ if HAVE_TRITON:
     @triton.jit(do_not_specialize=["numel", "n_map", "cap", "max_blocks"])
     def _moe_pack_kernel(ids_ptr, map_ptr, routes_ptr, blk_ptr, npad_ptr, counts_ptr, scratch_ptr,
                          numel, n_map, E, cap, max_blocks,
-                         NP: tl.constexpr, EP: tl.constexpr, FB: tl.constexpr, BLOCK_M: tl.constexpr):
+                         NP: tl.constexpr, EP: tl.constexpr, FB: tl.constexpr, BLOCK_M: tl.constexpr,
+                         PDL: tl.constexpr = False):
         """:func:`~exl3rt.moe.routing.pack_routes` in one program (same outputs, bit for bit). The routes
         (NP ≥ numel, a power of two) are sorted by the key ``expert·NP + route`` (stable by construction;
         dropped routes and lanes past numel get expert EP and sort last). In sorted order, a run of one
@@ -64,6 +85,7 @@ if HAVE_TRITON:
         barrier): rank = position − run start, and the run's padded length sits on its last element, so
         an exclusive cumsum gives every run's first slot. ``block_experts[slot // BLOCK_M] = expert`` for
         every route's slot names every live block (no block of a run is padding only)."""
+        _pdl_start(PDL, True)
         i = tl.arange(0, NP)
         b = _bucket(ids_ptr, map_ptr, i, i < numel, n_map, E, EP)
         sk = tl.sort(b * NP + i)
@@ -122,7 +144,7 @@ if HAVE_TRITON:
     def _moe_pre_kernel(x_ptr, routes_ptr, blk_ptr, npad_ptr, su_ptr, sg_ptr, xs_ptr, pos_ptr,
                         slots, numel, k, H, stride_x, su_se, sg_se, stride_xsp, two,
                         BR: tl.constexpr, BLOCK_M: tl.constexpr, FRAG: tl.constexpr = 0,
-                        zz_ptr=None, zz_n=0, zz_pstride=0, ZNP: tl.constexpr = 0):
+                        zz_ptr=None, zz_n=0, zz_pstride=0, ZNP: tl.constexpr = 0, PDL: tl.constexpr = False):
         """Slots ``program_id(0)·BR …``, columns ``program_id(1)·128 …``: x' = (x[tok] ⊙ suh[e])·H, zero
         for the padding slots of a program with a live slot (a program of padding slots only writes nothing:
         a row of x' only reaches its own row of the partials, which no pass reads; nothing past
@@ -131,7 +153,9 @@ if HAVE_TRITON:
         with gate) at ``xs``. ``two`` is a runtime value, not a specialization: one compiled kernel (and
         one prewarm) serves both. ``FRAG``: x' in the tiered launch's fragment order (:func:`_slot_offsets`).
         ``ZNP`` > 0: also zero the live slots' rows of the gate+up launch's accumulation buffer
-        (``zz [ZNP, slots, zz_n]``, projections ``zz_pstride`` apart)."""
+        (``zz [ZNP, slots, zz_n]``, projections ``zz_pstride`` apart). ``PDL``: :func:`_pdl_start` (trigger after
+        the wait)."""
+        _pdl_start(PDL, False)
         s, c, smask = _slot_block(npad_ptr, slots, BR)
         r = tl.load(routes_ptr + s, mask=smask, other=numel)
         live = smask & (r < numel)
@@ -157,12 +181,15 @@ if HAVE_TRITON:
     def _moe_mid_kernel(z_ptr, routes_ptr, blk_ptr, npad_ptr, gsv_ptr, usv_ptr, dsu_ptr, h_ptr,
                         slots, numel, I, splits, stride_zs, stride_zp, g_se, u_se, d_se,
                         GATED: tl.constexpr, BR: tl.constexpr, SB: tl.constexpr, BLOCK_M: tl.constexpr,
-                        FRAG: tl.constexpr = 0, zz_ptr=None, zz_n=0, ZERO_D: tl.constexpr = False):
+                        FRAG: tl.constexpr = 0, zz_ptr=None, zz_n=0, ZERO_D: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
         """h'[s, cols] = ((silu(g)·u) ⊙ down_suh[e])·H (ungated: silu(u)), g/u = (Σ_split z)·H ⊙ svh[e];
         padding slots get zero rows without reading their partials (none in a program of padding slots only,
         see the pre-pass), nothing past ``num_padded``. ``FRAG``:
         h' in the down launch's fragment order (:func:`_slot_offsets`). ``ZERO_D``: also zero the live slots' rows
-        of the down launch's accumulation buffer (``zz [slots, zz_n]``)."""
+        of the down launch's accumulation buffer (``zz [slots, zz_n]``). ``PDL``: :func:`_pdl_start` (trigger after
+        the wait)."""
+        _pdl_start(PDL, False)
         s, c, smask = _slot_block(npad_ptr, slots, BR)
         live = smask & (tl.load(routes_ptr + s, mask=smask, other=numel) < numel)
         if tl.max(live.to(tl.int32), axis=0) > 0:      # padding-only programs write nothing
@@ -190,9 +217,10 @@ if HAVE_TRITON:
     @triton.jit(do_not_specialize=["numel", "splits", "cap"])
     def _moe_post_kernel(z_ptr, routes_ptr, pos_ptr, blk_ptr, w_ptr, sv_ptr, y_ptr,
                          numel, k, H, splits, stride_zs, sv_se, cap,
-                         KP: tl.constexpr, SB: tl.constexpr, BLOCK_M: tl.constexpr):
+                         KP: tl.constexpr, SB: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):
         """y[t, cols] = Σ_j w[t·k + j] · ((Σ_split zd[:, slot_j, cols])·H ⊙ down_svh[e_j]) over the token's
-        live routes (slot_j = pos[t·k + j], checked against sorted_routes)."""
+        live routes (slot_j = pos[t·k + j], checked against sorted_routes). ``PDL``: :func:`_pdl_start`."""
+        _pdl_start(PDL, True)
         t = tl.program_id(0)
         pid_c = tl.program_id(1)
         j = tl.arange(0, KP)

@@ -135,15 +135,16 @@ WGMMA_32 = WgmmaConfig(block_rows=32, stages=3, target_programs=1536, pdl=True, 
 # 1280 / 2048 / 3072 programs, 3-4 buffers and the overlapped loop 0-10 % behind), two chunks per wgmma wait
 # (next run: K3 29.9 / 29.0 / 31.2 µs vs 30.2 / 29.6 / 32.3 one chunk per wait, K6 31.2 / 30.6 / 32.9 vs 31.2 /
 # 30.7 / 33.3; with 3-4 buffers slower; at 32 rows per program no gain)
-# Where those splits stay below ATOMIC_MIN_SPLITS (each split stores partials), ~896 programs (H200, 2026-12-02,
+# Where the splits stay below atomic_min_splits (each split stores partials), ~896 programs (H200, 2026-12-02,
 # seventeenth session, whole calls, one graph of 32, bf16 in the same run; µs at rows 16 / 12): 4096×14336 (4
 # splits instead of 6) K6 30.4-30.5 / 30.2 vs 31.0-31.1 / 30.3-30.4, K3 29.0 / 28.3-28.5 vs 29.6 / 29.0, K5
 # 30.3-30.4 / 30.2 vs 31.0 / 30.3-30.4; 3 / 2 splits 1.04-1.14x slower, 5 within 1 %. More splits into one
 # buffer were slower there (11 / 16 splits: K6 rows 16 32.7 / 34.1). 14336×4096 keeps 23 splits into one buffer
-# (14 were 1-2 % slower), 8192×8192 its 12 (7 stored splits 1-2 % faster, 8 stored 1-2 % slower: not taken
-# as a rule); at 17-32 rows fewer splits were mixed (4096×14336 4 splits -3 % … +1 %, 5 splits -1 … +3 %)
+# (14 were 1-2 % slower); 8192×8192 ran faster in 7 stored splits than in 12 into one buffer (K3 / K5 / K6 rows 16
+# 30.6 / 32.3 / 32.4 µs vs 31.0 / 32.8 / 32.7), hence one buffer at this bucket only from 16 splits; at 17-32 rows
+# fewer splits were mixed (4096×14336 4 splits -3 % … +1 %, 5 splits -1 … +3 %)
 WGMMA_16 = WgmmaConfig(block_rows=16, stages=2, target_programs=1536, pdl=True, pair=True,
-                       atomic_min_splits=ATOMIC_MIN_SPLITS, stored_target_programs=896)
+                       atomic_min_splits=16, stored_target_programs=896)
 
 
 def default_wgmma_config(rows: int, bits=4) -> WgmmaConfig:
