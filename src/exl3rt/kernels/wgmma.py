@@ -96,14 +96,13 @@ class WgmmaConfig:
 # 70.8-76.9, K2 60.8-61.3 / 57.0-57.8 vs 63.2-66.7, K4 within ±1 % (55.4-60.8 vs 55.7-60.6), rows 512 K4
 # 119.2-119.5 / 107.5-107.9 vs 117.7-118.5 / 106.7-108.1; 8 warps, 4-6 buffers, deeper word prefetch: no better
 WGMMA_256 = WgmmaConfig(block_rows=256, stages=3, target_programs=256, overlap=True)
-# Measured faster at K3 / K6 and not yet the default: two chunks per wgmma wait with 3 buffers instead of the
-# overlapped loop (H200, 2026-12-02, sixteenth session, whole calls, one graph of 32, rows 256 / 512: K3 66.6 /
-# 65.2 / 75.2 µs vs 71.7 / 68.7 / 79.6 (4096×14336 / 14336×4096 / 8192×8192), 132.6 / 128.1 / 147.7 vs 141.4 /
-# 134.7 / 158.0; K6 71.2 / 68.0 / 78.9 vs 73.0 / 70.5 / 81.4, 144.4 / 134.3 / 159.3 vs 144.2 / 137.6 / 159.8; K4
-# equal at 256 rows and 0.7-3 % slower at 512; 4 buffers paired 1.1-1.2x slower). K2, K5 and half-integer K were
-# not measured and the session's device time ran out before tests/test_wgmma.py could check this configuration
-# against float64 on the H200 (the paired loop is checked there at 16/32 rows per program and in the MoE launch
-# at 32/64/128): default_wgmma_config takes it once both are done.
+# From 129 rows at K other than 4 and 8 (the lane decode's normalizing shift): two chunks per wgmma wait with 3
+# buffers instead of the overlapped loop (H200, 2026-12-02, sixteenth session, whole calls, one graph of 32, rows
+# 256 / 512: K3 66.6 / 65.2 / 75.2 µs vs 71.7 / 68.7 / 79.6 (4096×14336 / 14336×4096 / 8192×8192), 132.6 / 128.1 /
+# 147.7 vs 141.4 / 134.7 / 158.0; K6 71.2 / 68.0 / 78.9 vs 73.0 / 70.5 / 81.4, 144.4 / 134.3 / 159.3 vs 144.2 / 137.6
+# / 159.8; K4 equal at 256 rows and 0.7-3 % slower at 512; 4 buffers paired 1.1-1.2x slower. Seventeenth session,
+# 4096×14336 / 14336×4096 at 256 / 512 rows: K5 0.945-0.983x, MUL1 K2.5 0.941-0.963x, K2 0.993-1.018x; against float64
+# on the H200 at 200 / 300 / 512 rows, K 2 / 3 / 5 (3INST) / 6 / 2.5 (MUL1) / 4: 1.8e-7 relative)
 WGMMA_256_PAIR = WgmmaConfig(block_rows=256, stages=3, target_programs=256, pair=True)
 # 65-128 rows: 128 rows per program, ~512 programs (rows 128: 45.3 / 40.7 µs vs 53.8 / 48.3 at ~256 programs and
 # 52.1 / 49.8 with 4 buffers at ~1024; 256 rows per program 63-88); the overlapped loop is slower here (K4
