@@ -32,9 +32,12 @@ hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA device of comput
 def test_row_buckets_and_splits():
     assert [wg.default_wgmma_config(r).block_rows for r in (1, 9, 16, 17, 32, 33, 64, 65, 128, 129, 640)] == \
         [16, 16, 16, 32, 32, 64, 64, 128, 128, 256, 256]
-    # from 129 rows: the overlapped loop where the lane decode has no normalizing shift (K 4, 8), else the paired
+    # from 65 rows: the paired loop where the lane decode has a normalizing shift (K other than 4 and 8)
     assert [wg.default_wgmma_config(256, k) for k in (1, 2, 2.5, 3, 4, 5, 6, 8)] == \
         [wg.WGMMA_256_PAIR] * 4 + [wg.WGMMA_256] + [wg.WGMMA_256_PAIR] * 2 + [wg.WGMMA_256]
+    assert [wg.default_wgmma_config(100, k) for k in (3, 4, 6, 8)] == \
+        [wg.WGMMA_128_PAIR, wg.WGMMA_128, wg.WGMMA_128_PAIR, wg.WGMMA_128]
+    assert wg.WGMMA_128_PAIR.pair and (wg.WGMMA_128_PAIR.block_rows, wg.WGMMA_128_PAIR.stages) == (128, 3)
     for k_tiles in (8, 24, 256, 896):
         for programs in (1, 7, 64, 224, 5000):
             for target in (256, 1024):
@@ -290,7 +293,7 @@ def test_builds_see_the_language_as_imported():
                                                (6, "3inst", wg.WGMMA_64), (2.5, "mul1", wg.WGMMA_256),
                                                (3, "mcg", wg.WGMMA_256), (6, "mcg", wg.WGMMA_256),
                                                (6, "mcg", wg.WGMMA_16), (4, "mul1", wg.WGMMA_32),
-                                               (3, "mcg", wg.WGMMA_256_PAIR)])
+                                               (3, "mcg", wg.WGMMA_256_PAIR), (5, "mcg", wg.WGMMA_128_PAIR)])
 def test_kernel_builds_for_sm90_without_a_gpu(bits, codebook, cfg):
     """The Gluon kernel compiles for sm_90 with this machine's Triton (CI's, whatever its version: Gluon's API
     moves), the decoded registers become the wgmma A operand without data movement (the build asserts it; the

@@ -39,7 +39,7 @@ tests check the numbers (``tests/test_wgmma.py``). ``EXL3RT_KERNEL_NO_WGMMA=1`` 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Optional
 
@@ -108,6 +108,10 @@ WGMMA_256_PAIR = WgmmaConfig(block_rows=256, stages=3, target_programs=256, pair
 # 52.1 / 49.8 with 4 buffers at ~1024; 256 rows per program 63-88); the overlapped loop is slower here (K4
 # 56.7-58.3 / 45.8-56.6 vs 45.5-45.7 / 40.9-41.1 with 3-5 buffers; K6 62.3 / 49.6 vs 48.2 / 46.5)
 WGMMA_128 = WgmmaConfig(block_rows=128, stages=3, target_programs=512)
+# At K other than 4 and 8 the same paired (seventeenth session, 2026-12-02, same-process A/B, whole calls, one graph of
+# 32, rows 128 / 96, paired / landed: K3 0.943-0.952 on 4096×14336, 14336×4096, 8192×8192; MUL1 K2.5 0.929-0.933;
+# K6 0.980-0.989; K5 0.994-0.998; K2 1.000-1.014; K4 1.012-1.016, so not there; 2 buffers paired: mixed)
+WGMMA_128_PAIR = replace(WGMMA_128, pair=True)
 # 33-64 rows: 64 rows per program, 4 buffers, ~1024 programs (rows 64: 36.0 / 44.7 µs at 4 splits; rows 48:
 # 37.9 / 34.8 µs vs 36.2 / 38.4 at ~2048 programs and 42.0 / 41.6 at ~4096; overlapped 37.3-37.8 / 37.6-38.5).
 # PDL (whole calls, same day, K4 / K6): rows 33 44.3-44.6 / 41.8-43.0 µs vs 46.1-46.6 / 42.9-44.5, rows 64
@@ -115,8 +119,8 @@ WGMMA_128 = WgmmaConfig(block_rows=128, stages=3, target_programs=512)
 # rows ±0.6, 512 rows +4.3-7.0: the early-launched next grid takes room from the multi-wave wgmma grid
 # Two chunks per wgmma wait with 3 buffers since 2026-12-02 (sixteenth session, whole calls, one graph of 32, three
 # shapes, K 3/4/6, rows 64: 3-9 % faster, e.g. 4096×14336 K4 39.3 vs 43.0 µs, 14336×4096 K6 38.2 vs 40.7, 8192×8192
-# K6 43.0 vs 46.5; 4 buffers paired within 1 %; at 128 rows per program paired -1.5 % on average, K4 up to +1 %: not
-# taken there)
+# K6 43.0 vs 46.5; 4 buffers paired within 1 %; at 128 rows per program paired -1.5 % on average, K4 up to +1 %: there
+# at K other than 4 and 8 since the seventeenth session, WGMMA_128_PAIR)
 WGMMA_64 = WgmmaConfig(block_rows=64, stages=3, target_programs=1024, pdl=True, pair=True)
 # 17-32 rows: 32 rows per program, 3 buffers, ~1536 programs (H200, 2026-12-02, fifteenth session, whole calls,
 # one graph of 32 calls, three shapes, K 2-8, all codebooks: rows 32 K4 31.8 / 30.1 / 33.8 µs vs 42.0 / 40.0 /
@@ -148,16 +152,18 @@ WGMMA_16 = WgmmaConfig(block_rows=16, stages=2, target_programs=1536, pdl=True, 
 
 def default_wgmma_config(rows: int, bits=4) -> WgmmaConfig:
     """The launch configuration for ``rows`` (one of five row buckets: ≤ 16, ≤ 32, ≤ 64, ≤ 128, more) at K =
-    ``bits`` (from 129 rows: the overlapped loop at K 4 and 8, the paired loop at the others)."""
+    ``bits``: from 65 rows the paired loop where the lane decode has a normalizing shift (every K but 4 and 8),
+    else one chunk per wait (65-128 rows) or the overlapped loop (more)."""
     if rows <= 32:
         return WGMMA_16 if rows <= 16 else WGMMA_32
     if rows <= 64:
         return WGMMA_64
-    if rows <= 128:
-        return WGMMA_128
     from .lane_decode import needs_shift
     from .linear import _kernel_bits
-    return WGMMA_256_PAIR if needs_shift(*_kernel_bits(bits)) else WGMMA_256
+    paired = needs_shift(*_kernel_bits(bits))
+    if rows <= 128:
+        return WGMMA_128_PAIR if paired else WGMMA_128
+    return WGMMA_256_PAIR if paired else WGMMA_256
 
 
 def available(device: torch.device) -> bool:
