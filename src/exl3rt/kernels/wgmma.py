@@ -132,7 +132,11 @@ WGMMA_64 = WgmmaConfig(block_rows=64, stages=3, target_programs=1024, pdl=True, 
 # 35.8, K4 32.9 vs 33.9, K6 32.5 / 35.9 vs 32.7 / 37.0; at 6 splits, 4096×14336, 0-3 % slower; at 64 rows mixed,
 # at 128 rows 1.2-1.4x slower: many rows per program make many adds)
 ATOMIC_MIN_SPLITS = 12
-WGMMA_32 = WgmmaConfig(block_rows=32, stages=3, target_programs=1536, pdl=True, atomic_min_splits=ATOMIC_MIN_SPLITS)
+# Two chunks per wgmma wait with 2 buffers since the seventeenth session (2026-12-02, same-process A/B, whole calls, one
+# graph of 32, rows 32 / 24, three shapes, K 2 / 2.5 MUL1 / 3 / 4 / 5 / 6: 0.936-0.998x the 3-buffer loop at every
+# point, K2 0.94-0.96, K4 0.97-0.99; paired with 3 buffers 0.99-1.06x)
+WGMMA_32 = WgmmaConfig(block_rows=32, stages=2, target_programs=1536, pdl=True, pair=True,
+                       atomic_min_splits=ATOMIC_MIN_SPLITS)
 # 9-16 rows (where linear.choose_path sends them here: K other than 1, 2, 4): 16 rows per program, 2 buffers,
 # ~1536 programs (same run, rows 16 K6 31.1 / 30.6 / 33.2 µs vs 32.8 / 32.7 / 36.0 with the mma GEMV; ~1024 /
 # 1280 / 2048 / 3072 programs, 3-4 buffers and the overlapped loop 0-10 % behind), two chunks per wgmma wait
