@@ -106,7 +106,8 @@ KERNEL_NO_ASM: EnvVar[bool] = EnvVar(
 
 KERNEL_NO_PDL: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_NO_PDL", False, _flag,
-    "1: launch the linear kernels without programmatic dependent launch (each waits for the last)")
+    "1: launch the linear kernels and the MoE decode plan's 1-4-row calls without programmatic dependent launch "
+    "(each kernel then starts only when the last one has finished)")
 
 KERNEL_ROUNDED_DECODE: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_ROUNDED_DECODE", False, _flag,
