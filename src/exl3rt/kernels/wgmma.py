@@ -141,7 +141,7 @@ WGMMA_32 = WgmmaConfig(block_rows=32, stages=2, target_programs=1536, pdl=True, 
 # ~1536 programs (same run, rows 16 K6 31.1 / 30.6 / 33.2 µs vs 32.8 / 32.7 / 36.0 with the mma GEMV; ~1024 /
 # 1280 / 2048 / 3072 programs, 3-4 buffers and the overlapped loop 0-10 % behind), two chunks per wgmma wait
 # (next run: K3 29.9 / 29.0 / 31.2 µs vs 30.2 / 29.6 / 32.3 one chunk per wait, K6 31.2 / 30.6 / 32.9 vs 31.2 /
-# 30.7 / 33.3; with 3-4 buffers slower; at 32 rows per program no gain)
+# 30.7 / 33.3; with 3-4 buffers slower; at 32 rows per program no gain with 3 buffers, 0.2-6.4 % with 2: WGMMA_32)
 # Where the splits stay below atomic_min_splits (each split stores partials), ~896 programs (H200, 2026-12-02,
 # seventeenth session, whole calls, one graph of 32, bf16 in the same run; µs at rows 16 / 12): 4096×14336 (4
 # splits instead of 6) K6 30.4-30.5 / 30.2 vs 31.0-31.1 / 30.3-30.4, K3 29.0 / 28.3-28.5 vs 29.6 / 29.0, K5
@@ -512,4 +512,4 @@ def _x_layout(block_rows: int):
 __all__ = ["HAVE_GLUON", "WgmmaConfig", "available", "default_wgmma_config", "kernel_constants", "padded_rows",
            "wgmma_rotated", "use_atomic", "launch_splits", "ATOMIC_MIN_SPLITS",
            "wgmma_splits",
-           "WGMMA_16", "WGMMA_32", "WGMMA_64", "WGMMA_128", "WGMMA_256", "WGMMA_256_PAIR"]
+           "WGMMA_16", "WGMMA_32", "WGMMA_64", "WGMMA_128", "WGMMA_128_PAIR", "WGMMA_256", "WGMMA_256_PAIR"]
