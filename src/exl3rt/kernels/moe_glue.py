@@ -157,12 +157,14 @@ if HAVE_TRITON:
         the wait)."""
         _pdl_start(PDL, False)
         s, c, smask = _slot_block(npad_ptr, slots, BR)
-        r = tl.load(routes_ptr + s, mask=smask, other=numel)
+        # the slots' routes and block experts are loaded with num_padded, not after it (every slot below
+        # ``slots`` exists; past num_padded the values are stale and masked by ``live``)
+        r = tl.load(routes_ptr + s, mask=s < slots, other=numel)
+        eb = tl.load(blk_ptr + s // BLOCK_M, mask=s < slots, other=0)
         live = smask & (r < numel)
         if tl.max(live.to(tl.int32), axis=0) > 0:      # padding-only programs write nothing
             tok = tl.where(live, r // k, 0).to(tl.int64)
-            e = tl.load(blk_ptr + s // BLOCK_M, mask=smask, other=0).to(tl.int64)
-            e = tl.maximum(e, 0)
+            e = tl.where(live, tl.maximum(eb, 0), 0).to(tl.int64)
             xv = tl.load(x_ptr + tok[:, None] * stride_x + c[None, :], mask=live[:, None], other=0.0).to(tl.float32)
             so = _slot_offsets(s, c, H, FRAG)
             su = tl.load(su_ptr + e[:, None] * su_se + c[None, :], mask=live[:, None], other=0.0).to(tl.float32)
@@ -191,9 +193,11 @@ if HAVE_TRITON:
         the wait)."""
         _pdl_start(PDL, False)
         s, c, smask = _slot_block(npad_ptr, slots, BR)
-        live = smask & (tl.load(routes_ptr + s, mask=smask, other=numel) < numel)
+        # routes and block experts loaded with num_padded, not after it (as in the pre-pass)
+        live = smask & (tl.load(routes_ptr + s, mask=s < slots, other=numel) < numel)
+        eb = tl.load(blk_ptr + s // BLOCK_M, mask=s < slots, other=0)
         if tl.max(live.to(tl.int32), axis=0) > 0:      # padding-only programs write nothing
-            e = tl.maximum(tl.load(blk_ptr + s // BLOCK_M, mask=live, other=0), 0).to(tl.int64)
+            e = tl.where(live, tl.maximum(eb, 0), 0).to(tl.int64)
             offs = s.to(tl.int64)[:, None] * I + c[None, :]
             m2 = live[:, None]
             if GATED:
@@ -228,13 +232,16 @@ if HAVE_TRITON:
         r = t * k + j
         p = tl.load(pos_ptr + r, mask=jm, other=0)
         p = tl.minimum(tl.maximum(p, 0), cap - 1)              # pos is never cleared: any value is safe
+        # the slot's route, block expert and partials are loaded together (p is in range whatever pos holds); a
+        # route that fails the check is masked out of the sum below
         ok = jm & (tl.load(routes_ptr + p, mask=jm, other=-1) == r)
-        e = tl.maximum(tl.load(blk_ptr + p // BLOCK_M, mask=ok, other=0), 0).to(tl.int64)
-        wt = tl.load(w_ptr + r, mask=ok, other=0.0).to(tl.float32)
+        e = tl.load(blk_ptr + p // BLOCK_M, mask=jm, other=0)
+        wt = tl.load(w_ptr + r, mask=jm, other=0.0).to(tl.float32)
         c = pid_c * 128 + tl.arange(0, 128)
         m2 = ok[:, None]
         offs = p.to(tl.int64)[:, None] * H + c[None, :]
-        z = _sum_splits(z_ptr, offs, m2, splits, stride_zs, SB, KP)
+        z = _sum_splits(z_ptr, offs, jm[:, None], splits, stride_zs, SB, KP)
+        e = tl.where(ok, tl.maximum(e, 0), 0).to(tl.int64)
         sv = tl.load(sv_ptr + e[:, None] * sv_se + c[None, :], mask=m2, other=0.0).to(tl.float32)
         yv = _fwht128(z, KP) * (sv * (wt * HAD_SCALE_C)[:, None])
         yv = tl.where(m2, yv, 0.0)
