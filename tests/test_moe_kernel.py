@@ -274,6 +274,7 @@ def test_decode_plan_adds_its_splits_into_one_buffer(monkeypatch):
     equals the per-split partials of ``EXL3RT_KERNEL_DETERMINISTIC=1`` (fp32 order only) and the float64 loop."""
     from exl3rt.kernels import moe as km
     monkeypatch.setattr(km, "MIN_SPLIT_K_TILES", 2)          # several K splits on 128-wide experts
+    monkeypatch.setattr(km, "MIN_SPLIT_K_TILES_ATOMIC", 2)
     shapes = []
     real = km.tiered_partials
 

@@ -54,6 +54,12 @@ MAX_TIERS = 4
 #: 138 at 12)
 TARGET_PROGRAMS = 16896
 MIN_SPLIT_K_TILES = 24
+#: the fewest k-tiles per split where the splits add into one buffer (``atomic``: the decode plan's route blocks of
+#: 8), where more splits cost no partials to read. H200, 2026-12-02 (eighteenth session, same-process A/B, 8 routings,
+#: one graph of 8 calls / one graph per call, best of 3, against 24): I 512 one token 39.6 / 44.4 µs vs 43.3 / 48.5
+#: (0.91), 2 rows 0.95-0.96, 4 rows 0.99, 8 / 32 / 128 rows and every row count at I 2048 within ±1 % (12 k-tiles:
+#: 0.95 at one token, I 512); with stored partials (``EXL3RT_KERNEL_DETERMINISTIC=1``) 8 or 12 were up to 7 % slower
+MIN_SPLIT_K_TILES_ATOMIC = 8
 
 #: n-tiles per program of a tiered launch. Four at every route block (H200, 2026-12-01, I 2048, 2048 rows:
 #: route block 64 with four 16-row blocks per pass 10214 µs at 4 tiles, 16938 at 2; block 32, 10527 / 15230)
@@ -223,7 +229,8 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     slots (routes ``>= numel``) are not computed either (their rows are left unwritten), and 16-row blocks of
     padding only inside a 32/64-route block run no mma. K is split so that about ``target_programs``
     programs run (default :data:`TARGET_PROGRAMS` on a GPU, each split at least about
-    :data:`MIN_SPLIT_K_TILES` k-tiles; no split in the CPU interpreter, where programs are what costs).
+    :data:`MIN_SPLIT_K_TILES` k-tiles, :data:`MIN_SPLIT_K_TILES_ATOMIC` with ``atomic``; no split in the CPU
+    interpreter, where programs are what costs).
     ``xfrag``: ``xs`` is in the mma's fragment
     order (:func:`frag_blocks`; route blocks of 8 or a multiple of 16), not row-major. Route blocks of 32/64
     run passes in which 2/4 16-row blocks share each decoded tile (:func:`pass_row_blocks`). ``atomic``: the K
@@ -253,7 +260,8 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     n_blocks, max_blocks = n_tiles // ntw, int(block_experts.shape[0])
     tier_bits = [bits_from_trellis(tr[0]) for tr in tier_trellis]
     splits, k_per = gemv_splits(k_tiles, nproj * n_blocks * max_blocks, target_programs,
-                                k_multiple=max(_mm.default_unroll(b) for b in tier_bits), min_k=MIN_SPLIT_K_TILES)
+                                k_multiple=max(_mm.default_unroll(b) for b in tier_bits),
+                                min_k=MIN_SPLIT_K_TILES_ATOMIC if atomic else MIN_SPLIT_K_TILES)
     alloc = torch.zeros if zero else torch.empty
     shape = (nproj, 1 if atomic else splits, slots, n_tiles * 16)
     if acc is not None:
