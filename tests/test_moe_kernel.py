@@ -271,7 +271,8 @@ def test_padding_slots_skipped_bit_for_bit(monkeypatch):
 def test_decode_plan_adds_its_splits_into_one_buffer(monkeypatch):
     """Route blocks of 8 (the decode plan): both tiered launches add their K splits into one buffer, whose live
     rows the pre-pass (gate/up) and the mid-pass (down) zero in ``torch.empty`` memory full of NaN; the layer
-    equals the per-split partials of ``EXL3RT_KERNEL_DETERMINISTIC=1`` (fp32 order only) and the float64 loop."""
+    equals the per-split partials of ``EXL3RT_KERNEL_DETERMINISTIC=1`` (up to the add order and the fp16
+    rounding of h' it can flip) and the float64 loop."""
     from exl3rt.kernels import moe as km
     monkeypatch.setattr(km, "MIN_SPLIT_K_TILES", 2)          # several K splits on 128-wide experts
     monkeypatch.setattr(km, "MIN_SPLIT_K_TILES_ATOMIC", 2)
@@ -294,7 +295,9 @@ def test_decode_plan_adds_its_splits_into_one_buffer(monkeypatch):
     assert [a for a, _ in shapes] == [True, True, False, False]
     assert shapes[0][1][:2] == (2, 1) and shapes[1][1][:2] == (1, 1)          # gate+up, down: one buffer each
     assert shapes[2][1][1] > 1 and shapes[3][1][1] > 1                         # the partials: several splits
-    assert _rel(y, y_det.double().cpu()) < 1e-5
+    # the modes add the splits in another order and h' is fp16: an element of it can round the other way
+    # (H200: up to 3.3e-5 between the modes; a missed zeroing or a split added twice is NaN or O(1))
+    assert _rel(y, y_det.double().cpu()) < 2e-4
     assert _rel(y, _loop(x, ids, wts, experts)) < 2e-3
     pack = pack_routes(ids, len(bits), 8)
     xs = torch.zeros(pack.capacity, 128, dtype=torch.float16, device=DEV)
