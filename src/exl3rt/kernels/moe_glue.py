@@ -19,8 +19,8 @@ by ``num_padded``, and ``post`` only reads the slots that ``pos`` names (clamped
 adds those where ``sorted_routes[pos[r]] == r`` (``pos`` is never cleared: a stale or garbage entry fails the
 check, so a dropped route contributes nothing). The passes issue their index loads (num_padded, the slots'
 routes and block experts; in the post-pass the routes, block experts and partials at ``pos``) together and
-mask afterwards: one or two dependent loads fewer per pass. The post pass is deterministic: one program per (token, 128
-columns) sums the token's k routes in registers. No pass reads a value back to the host, and every
+mask afterwards: one or two dependent loads fewer per pass. The post pass is deterministic: one program per
+(token, 128 columns) sums the token's k routes in registers. No pass reads a value back to the host, and every
 buffer is sized by the pack's capacity, so the whole call is CUDA-graph capturable.
 """
 
