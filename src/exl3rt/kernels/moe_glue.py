@@ -115,12 +115,19 @@ if HAVE_TRITON:
         tl.store(npad_ptr, tl.sum(plast, axis=0))
 
     @triton.jit
-    def _slot_block(npad_ptr, slots, BR: tl.constexpr):
-        """This program's slots ``s`` (BR of them), columns ``c`` (one 128-block) and which slots exist
-        (below ``num_padded`` and ``slots``)."""
+    def _slot_routes(routes_ptr, blk_ptr, npad_ptr, slots, numel, BR: tl.constexpr, BLOCK_M: tl.constexpr):
+        """This program's slots ``s`` (BR of them), columns ``c`` (one 128-block), which slots exist (below
+        ``num_padded`` and ``slots``), their routes ``r``, which are live (an existing slot holding a route, not
+        padding) and their block experts ``e`` (int64, 0 where not live). The routes and block experts are loaded
+        with num_padded, not after it (every slot below ``slots`` is in the buffers; past num_padded the values are
+        stale and masked by ``live``)."""
         s = tl.program_id(0) * BR + tl.arange(0, BR)
         c = tl.program_id(1) * 128 + tl.arange(0, 128)
-        return s, c, s < tl.minimum(tl.load(npad_ptr), slots)
+        smask = s < tl.minimum(tl.load(npad_ptr), slots)
+        r = tl.load(routes_ptr + s, mask=s < slots, other=numel)
+        eb = tl.load(blk_ptr + s // BLOCK_M, mask=s < slots, other=0)
+        live = smask & (r < numel)
+        return s, c, smask, r, live, tl.where(live, tl.maximum(eb, 0), 0).to(tl.int64)
 
     @triton.jit
     def _slot_offsets(s, c, n, FRAG: tl.constexpr):
@@ -158,15 +165,9 @@ if HAVE_TRITON:
         (``zz [ZNP, slots, zz_n]``, projections ``zz_pstride`` apart). ``PDL``: :func:`_pdl_start` (trigger after
         the wait)."""
         _pdl_start(PDL, False)
-        s, c, smask = _slot_block(npad_ptr, slots, BR)
-        # the slots' routes and block experts are loaded with num_padded, not after it (every slot below
-        # ``slots`` exists; past num_padded the values are stale and masked by ``live``)
-        r = tl.load(routes_ptr + s, mask=s < slots, other=numel)
-        eb = tl.load(blk_ptr + s // BLOCK_M, mask=s < slots, other=0)
-        live = smask & (r < numel)
+        s, c, smask, r, live, e = _slot_routes(routes_ptr, blk_ptr, npad_ptr, slots, numel, BR, BLOCK_M)
         if tl.max(live.to(tl.int32), axis=0) > 0:      # padding-only programs write nothing
             tok = tl.where(live, r // k, 0).to(tl.int64)
-            e = tl.where(live, tl.maximum(eb, 0), 0).to(tl.int64)
             xv = tl.load(x_ptr + tok[:, None] * stride_x + c[None, :], mask=live[:, None], other=0.0).to(tl.float32)
             so = _slot_offsets(s, c, H, FRAG)
             su = tl.load(su_ptr + e[:, None] * su_se + c[None, :], mask=live[:, None], other=0.0).to(tl.float32)
@@ -194,12 +195,8 @@ if HAVE_TRITON:
         of the down launch's accumulation buffer (``zz [slots, zz_n]``). ``PDL``: :func:`_pdl_start` (trigger after
         the wait)."""
         _pdl_start(PDL, False)
-        s, c, smask = _slot_block(npad_ptr, slots, BR)
-        # routes and block experts loaded with num_padded, not after it (as in the pre-pass)
-        live = smask & (tl.load(routes_ptr + s, mask=s < slots, other=numel) < numel)
-        eb = tl.load(blk_ptr + s // BLOCK_M, mask=s < slots, other=0)
+        s, c, smask, _, live, e = _slot_routes(routes_ptr, blk_ptr, npad_ptr, slots, numel, BR, BLOCK_M)
         if tl.max(live.to(tl.int32), axis=0) > 0:      # padding-only programs write nothing
-            e = tl.where(live, tl.maximum(eb, 0), 0).to(tl.int64)
             offs = s.to(tl.int64)[:, None] * I + c[None, :]
             m2 = live[:, None]
             if GATED:
