@@ -395,7 +395,7 @@ def test_dependent_launch_builds_wait_where_the_chain_needs_it():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (dependent launches)")
 def test_dependent_launch_chain_computes_the_layer_on_a_gpu():
     """On a GPU (compiled kernels; a dependent launch chain where the device has it): 1-4 rows with
-    :func:`default_glue` equal the same calls without dependent launches (fp32 add order only) and the float64
+    :func:`default_glue` equal the same calls without dependent launches (add order only) and the float64
     loop, at real widths and several K splits."""
     bits = (3, 4, 3, 4)
     experts = _experts(bits, h=1024, i=512, seed=14)
@@ -404,7 +404,10 @@ def test_dependent_launch_chain_computes_the_layer_on_a_gpu():
     for t in (1, 2, 3, 4):
         x, ids, wts = _inputs(t, len(bits), 2, h=1024, seed=20 + t)
         y = exl3_moe(x, ids, wts, w, block_m=8)
-        assert _rel(y, exl3_moe(x, ids, wts, w, block_m=8, glue=off).double().cpu()) < 1e-5
+        # both add their K splits into one buffer in whatever order the programs run, and h' is fp16: an element
+        # of it can round the other way (H200, 2026-12-02: 1.8-2.6e-5 with the 8-k-tile split floor; a missed
+        # wait reads garbage or zeros, O(1))
+        assert _rel(y, exl3_moe(x, ids, wts, w, block_m=8, glue=off).double().cpu()) < 2e-4
         assert _rel(y, _loop(x, ids, wts, experts)) < 2e-3
 
 
