@@ -201,7 +201,7 @@ def main(argv=None):
         del dense
         torch.cuda.empty_cache()
         for bits in bits_list:
-            codes = make_codes(in_p, out_p, bits, args.copies, dev, seed=bits)
+            codes = make_codes(in_p, out_p, bits, args.copies, dev, seed=int(bits * 2))  # half-integer K (MUL1) gives a float
             t0 = time.time()
             chk = check(codes[0], cb, bits, dev)
             chk.update({"in": in_p, "out": out_p, "K": bits, "check_s": time.time() - t0})
