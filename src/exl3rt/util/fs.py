@@ -1,13 +1,18 @@
 """Crash-safe file publication: write to a temporary name in the same directory, fsync, rename.
 
-Readers never see half a file: either the old content or the new, whole.
+Readers never see half a file: either the old content or the new, whole. A writer killed mid-write leaves
+its temporary (``.<target name>.<random>.tmp``); :func:`temp_files` finds those (and the ``.tmpXXXXXX``
+files that ``safetensors.torch.save_file`` leaves) so that the owner of the directory can sweep them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import stat
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -19,6 +24,55 @@ def _read_umask() -> int:
 
 
 _UMASK = _read_umask()  # read once at import: os.umask() is process-wide and not thread-safe
+
+TMP_SUFFIX = ".tmp"
+# ours: "." + target name + "." + mkstemp's random part + ".tmp"; safetensors' own save_file: ".tmp" + 6 chars
+_OUR_TMP = re.compile(r"^\..+\.[A-Za-z0-9_]{6,}\.tmp$")
+_FOREIGN_TMP = re.compile(r"^\.tmp[A-Za-z0-9_]{6}$")
+
+
+def is_temp_name(name: str) -> bool:
+    """True for the name of a temporary that :func:`atomic_path` or safetensors' ``save_file`` creates."""
+    return bool(_OUR_TMP.match(name) or _FOREIGN_TMP.match(name))
+
+
+def temp_target(name: str) -> str | None:
+    """The target name an :func:`atomic_path` temporary was made for (None for other names)."""
+    if not _OUR_TMP.match(name):
+        return None
+    return name[1:-len(TMP_SUFFIX)].rsplit(".", 1)[0]
+
+
+def temp_files(directory: str | os.PathLike[str], *, min_age: float = 0.0) -> list[Path]:
+    """Regular files in ``directory`` (not below it) named like a temporary, last modified at least
+    ``min_age`` seconds ago. Symbolic links and other non-files are never listed."""
+    now = time.time()
+    found = []
+    try:
+        with os.scandir(directory) as it:
+            for e in it:
+                if not is_temp_name(e.name):
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode) and now - st.st_mtime >= min_age:
+                    found.append(Path(e.path))
+    except OSError:
+        return []
+    return sorted(found)
+
+
+def sweep_temp_files(directory: str | os.PathLike[str], *, min_age: float = 0.0) -> int:
+    """Remove :func:`temp_files` of ``directory``; returns how many were removed. Call it only where no
+    live writer can own them (under the directory's lock, or with a ``min_age`` no write lasts)."""
+    removed = 0
+    for p in temp_files(directory, min_age=min_age):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+            removed += 1
+    return removed
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -44,18 +98,21 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
 def atomic_path(target: str | os.PathLike[str], *, mode: Optional[int] = None) -> Iterator[Path]:
     """Yield a temporary path beside ``target``; on success fsync it and rename it onto ``target``.
 
-    The file gets permission bits ``mode`` (default: 0o666 less the process umask, like ``open``).
-    On an exception the temporary file is removed and ``target`` is untouched.
+    The temporary is private (0600) while it is written; after the rename ``target`` gets permission bits
+    ``mode`` (default: 0o666 less the process umask, like ``open``), so whatever replaced the temporary in
+    the meantime cannot leave its own. On an exception the temporary file is removed and ``target`` is
+    untouched. The caller must write into the yielded path itself (not through a writer that renames its own
+    temporary onto it: :func:`exl3rt.util.safetensors_io.write_safetensors`, not ``save_file``).
     """
     target = Path(target)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=target.parent)
     os.close(fd)
     tmp_path = Path(tmp)
-    os.chmod(tmp_path, 0o666 & ~_UMASK if mode is None else mode)
     try:
         yield tmp_path
         fsync_file(tmp_path)
         os.replace(tmp_path, target)
+        os.chmod(target, 0o666 & ~_UMASK if mode is None else mode)
         fsync_dir(target.parent)
     except BaseException:
         with contextlib.suppress(OSError):
