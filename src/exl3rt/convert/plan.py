@@ -13,7 +13,9 @@ Rules (exllamav3's defaults):
 - ``--keep PATTERN`` keeps matching modules unquantized; ``--bits-for PATTERN=K`` overrides K
   (shell-style patterns on the module name, the last matching override wins).
 
-Fused 3-D expert tensors are refused with a clear message (their layout differs per model).
+Fused 3-D expert tensors are refused with a clear message (their layout differs per model), and so is
+any tensor name that is not a plain module path (:func:`exl3rt.util.names.module_path_problem`): names
+become file names of finished layers, and the checkpoint carries them on.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Optional
 
 from ..encode.errors import EncodeError
 from ..format.bits import Bits, is_half, normalize_bits
+from ..util.names import module_path_problem
 from ..util.tensorfiles import TensorFiles
 
 HEAD = "lm_head"
@@ -90,6 +93,12 @@ def plan_conversion(src: TensorFiles, bits: Bits, codebook: str = "mcg", *, head
     linears: list[LinearJob] = []
     copies: list[str] = []
     claimed: set[str] = set()
+    for name in src.names():
+        problem = module_path_problem(name)
+        if problem:
+            raise EncodeError(f"tensor {name!r} in {src.path}: the name {problem}; a tensor name must be a module "
+                              f"path of [A-Za-z0-9_-] segments joined by dots. Refusing the checkpoint; nothing "
+                              f"was written")
     for name in src.names():
         info = src.info(name)
         if name.endswith(".weight") and len(info.shape) == 3 and ".experts." in f".{name}":

@@ -9,6 +9,12 @@ template: every top-level file that holds no weights, :func:`side_files`) and th
 removed. A source weight the encoder refuses (NaN/inf values, a bad shape: :class:`EncodeError`)
 ends the run and removes what this run created (the work folder, and OUT itself if the run made
 it): fixing the source changes it, so the layers finished before could never be resumed.
+
+A kill at any point is recovered by running the same command again: before ``config.json`` exists the
+rerun resumes (temporaries of the killed run are swept, finished layers reused); once it exists the
+checkpoint is complete and the rerun only finishes removing the work folder. One run at a time holds
+``.exl3rt-work/lock``; a second run into the same OUT is refused. Every tensor name of the source is
+checked (:mod:`exl3rt.util.names`) before anything is written: layer files are named after modules.
 """
 
 from __future__ import annotations
@@ -22,25 +28,28 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import filelock
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .. import __version__
 from ..encode.errors import EncodeError
 from ..encode.quantize import ENCODER_VERSION, quantize_weight
-from ..format.checkpoint import CONFIG_NAME, QCONFIG_NAME
-from ..format.checkpoint_write import CheckpointWriter
+from ..format.checkpoint import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME
+from ..format.checkpoint_write import PARTIAL_SUFFIX, CheckpointWriter
 from ..format.encoded import EncodedLinear, padded_width
 from ..format.errors import FormatError
-from ..util.fs import atomic_path, atomic_write_text
+from ..util.fs import atomic_path, atomic_write_text, sweep_temp_files
 from ..util.progress import Progress
+from ..util.safetensors_io import write_safetensors
 from ..util.tensorfiles import TensorFiles, natural_key
 from .plan import ConversionPlan, LinearJob, plan_conversion
 
 log = logging.getLogger("exl3rt.convert")
 
 WORK_DIR = ".exl3rt-work"
+LOCK_NAME = "lock"
+JOB_NAME = "job.json"
 
 #: weights in other formats (never copied beside the EXL3 checkpoint)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz")
@@ -102,6 +111,46 @@ def _source_weight(src: TensorFiles, job: LinearJob) -> tuple[torch.Tensor, Opti
     return w, bias
 
 
+def layer_path(layers_dir: Path, name: str) -> Path:
+    """Where a finished layer is kept; ``name`` was checked by the plan, this guards the join as well."""
+    path = layers_dir / f"{name}.safetensors"
+    if path.parent != layers_dir:
+        raise EncodeError(f"{name}: not a module name that can name a file; refusing to write outside {layers_dir}")
+    return path
+
+
+def _lock_work(work: Path, out: Path) -> filelock.BaseFileLock:
+    work.mkdir(parents=True, exist_ok=True)
+    lock = filelock.FileLock(str(work / LOCK_NAME), timeout=0, mode=0o600)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        raise EncodeError(f"{out}: another exl3rt quantize is writing here (it holds {work / LOCK_NAME}); "
+                          f"wait for it to finish, or choose another directory") from None
+    return lock
+
+
+def _remove_work(work: Path) -> None:
+    """Remove the work folder: layers first, ``job.json`` last, so that a kill part-way leaves either the job
+    record (the rerun finishes the removal) or nothing worth keeping."""
+    shutil.rmtree(work / "layers", ignore_errors=True)
+    for name in (JOB_NAME, LOCK_NAME):
+        try:
+            (work / name).unlink()
+        except FileNotFoundError:
+            pass
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _sweep(out: Path, work: Path) -> None:
+    """Temporaries and unnamed shards of a killed run (call with the work lock held)."""
+    for d in (out, work, work / "layers"):
+        sweep_temp_files(d)
+    for part in out.glob(f"*{PARTIAL_SUFFIX}"):
+        if part.is_file() and not part.is_symlink():
+            part.unlink()
+
+
 def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codebook: str = "mcg", head_bits=6,
                        seed: int = 0, keep: tuple[str, ...] = (), overrides: tuple = (),
                        hessians: Optional[Callable[[str], Optional[torch.Tensor]]] = None,
@@ -118,26 +167,79 @@ def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codeboo
     out = Path(out)
     if src.config is None:
         raise EncodeError(f"{src.path}: no config.json; exl3rt quantize needs a Hugging Face model directory")
-    if (out / CONFIG_NAME).exists() and not overwrite:
-        raise EncodeError(f"{out}: already holds a model (config.json); choose a new directory or --overwrite")
     plan = plan_conversion(src, bits, codebook, head_bits=head_bits, keep=keep, overrides=overrides)
     settings = {"bits": bits, "codebook": codebook, "head_bits": head_bits, "seed": seed, "keep": list(keep),
                 "overrides": [list(o) for o in overrides], "calibration": calibration_id}
     record = _job_record(src, plan, settings)
     digest = _digest(record)
     work = out / WORK_DIR
-    layers_dir = work / "layers"
-    job_file = work / "job.json"
+    if (out / CONFIG_NAME).exists() and not overwrite:
+        if work.is_dir() and _same_job(work / JOB_NAME, digest):
+            return _finish_cleanup(out, work, plan, t0)
+        raise EncodeError(f"{out}: already holds a model (config.json); choose a new directory or --overwrite")
     made_out, made_work = not out.exists(), not work.exists()
+    lock = _lock_work(work, out)
+    try:
+        return _convert_locked(src, out, plan, record, digest, made_out=made_out, made_work=made_work,
+                               overwrite=overwrite, seed=seed, hessians=hessians, calibration_id=calibration_id,
+                               backend=backend, device=device, progress=progress,
+                               max_shard_bytes=max_shard_bytes, t0=t0, lock=lock)
+    finally:
+        lock.release()
+
+
+def _same_job(job_file: Path, digest: str) -> bool:
+    """True if the work folder's job is this one, or its record is already gone (removal was under way)."""
+    try:
+        return _digest(json.loads(job_file.read_text())) == digest
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _finish_cleanup(out: Path, work: Path, plan: ConversionPlan, t0: float) -> dict[str, Any]:
+    """OUT holds the finished checkpoint of this job (config.json is written last); a kill left the work folder."""
+    lock = _lock_work(work, out)
+    try:
+        _sweep(out, work)
+        _remove_work(work)
+    finally:
+        lock.release()
+    log.info("%s: the checkpoint was complete; removed the work folder a killed run left", out)
+    return {"out": str(out), "linears": len(plan.linears), "encoded": 0, "reused": len(plan.linears), "copied": [],
+            "weights": plan.total_weights, "seconds": time.perf_counter() - t0, "mean_proxy_err": None,
+            "completed_before": True}
+
+
+def _convert_locked(src: TensorFiles, out: Path, plan: ConversionPlan, record: dict[str, Any], digest: str, *,
+                    made_out: bool, made_work: bool, overwrite: bool, seed: int,
+                    hessians: Optional[Callable[[str], Optional[torch.Tensor]]], calibration_id: Optional[str],
+                    backend: str, device: str | torch.device, progress: bool, max_shard_bytes: Optional[int],
+                    t0: float, lock: filelock.BaseFileLock) -> dict[str, Any]:
+    work = out / WORK_DIR
+    layers_dir = work / "layers"
+    job_file = work / JOB_NAME
+    if overwrite:
+        # OUT stops looking like a checkpoint until this run's finish writes a new config.json
+        for name in (CONFIG_NAME, INDEX_NAME, QCONFIG_NAME):
+            try:
+                (out / name).unlink()
+            except FileNotFoundError:
+                pass
     if job_file.exists():
-        old = json.loads(job_file.read_text())
-        if _digest(old) != digest:
+        try:
+            old_digest = _digest(json.loads(job_file.read_text()))
+        except ValueError:
+            old_digest = None    # torn by hand (we publish it atomically): nothing in it can be trusted
+        if old_digest != digest:
             if not overwrite:
                 raise EncodeError(
                     f"{out}: holds an unfinished conversion with different settings or a changed source; "
                     f"rerun with the same settings to resume, or pass --overwrite to start over"
                 )
-            shutil.rmtree(work)
+            shutil.rmtree(layers_dir, ignore_errors=True)
+    _sweep(out, work)
     layers_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(job_file, json.dumps(record, indent=2, sort_keys=True) + "\n")
 
@@ -145,7 +247,7 @@ def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codeboo
     padded = {j.name: padded_width(j.in_features) * padded_width(j.out_features) for j in plan.linears}
     bar = Progress(sum(padded.values()), "encoding", unit="w", enabled=progress)
     for job in plan.linears:
-        path = layers_dir / f"{job.name}.safetensors"
+        path = layer_path(layers_dir, job.name)
         lin = _load_layer(path, job, digest)
         if lin is not None:
             reused += 1
@@ -160,6 +262,7 @@ def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codeboo
             except EncodeError:
                 bar.close()
                 if made_out or made_work:   # a resumed run's earlier work stays as it was
+                    lock.release()
                     shutil.rmtree(out if made_out else work, ignore_errors=True)
                 raise
             except KeyboardInterrupt as exc:
@@ -173,7 +276,7 @@ def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codeboo
                 lin.validate()
             meta = {"job": digest, "name": job.name, "info": json.dumps(lin.info)}
             with atomic_path(path) as tmp:
-                save_file({k: v.contiguous() for k, v in lin.state_dict().items()}, str(tmp), metadata=meta)
+                write_safetensors(tmp, lin.state_dict(), metadata=meta)
             encoded += 1
             bar.update(0, note=f"{job.name} K={job.bits} err={lin.info.get('proxy_err', 0):.2e}")
         errs.append(float(lin.info.get("proxy_err", float("nan"))))
@@ -189,7 +292,7 @@ def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codeboo
             if job is None:
                 writer.add_tensor(name, src.tensor(name))
                 continue
-            lin = _load_layer(layers_dir / f"{job.name}.safetensors", job, digest)
+            lin = _load_layer(layer_path(layers_dir, job.name), job, digest)
             if lin is None:
                 raise EncodeError(f"{job.name}: finished layer vanished from {layers_dir}; rerun to re-encode it")
             writer.add_linear(job.name, lin)
@@ -201,7 +304,7 @@ def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codeboo
         config = dict(src.config)
         qfields = {"calibration": {"id": calibration_id} if calibration_id else None, "seed": seed}
         writer.finish(config, quantization_config=qfields)
-    shutil.rmtree(work, ignore_errors=True)
+    _remove_work(work)
     finite = [e for e in errs if e == e]
     return {"out": str(out), "linears": len(plan.linears), "encoded": encoded, "reused": reused, "copied": copied,
             "weights": plan.total_weights, "seconds": time.perf_counter() - t0,

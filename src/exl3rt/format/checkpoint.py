@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from ..util.names import module_path_problem
 from ..util.tensorfiles import CONFIG_NAME, INDEX_NAME, TensorFileError, TensorFiles, TensorInfo, natural_key, read_json
 from .bits import Bits, bits_from_width
 from .codebooks import MARKERS
@@ -76,6 +77,11 @@ class Exl3Checkpoint:
             except TensorFileError as exc:
                 raise FormatError(str(exc)) from None
         self._check_quant_method()
+        for n in self.files.names():   # names become module paths in every loader
+            problem = module_path_problem(n)
+            if problem:
+                raise FormatError(f"tensor {n!r} in {self.path}: the name {problem}; not a valid checkpoint "
+                                  f"(tensor names are module paths of [A-Za-z0-9_-] segments joined by dots)")
         self._tensors: dict[str, TensorInfo] = {n: self.files.info(n) for n in self.files.names()}
         self._linears = self._find_linears()
 

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors.torch import save_file
 
 from .. import __version__
 from ..util.fs import atomic_path, atomic_write_text, fsync_dir
+from ..util.safetensors_io import write_safetensors
 from .bits import Bits
 from .checkpoint import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME, QUANT_METHOD
 from .codebooks import MARKERS
@@ -29,7 +30,8 @@ from .encoded import EncodedLinear
 from .errors import FormatError
 
 DEFAULT_SHARD_BYTES = 8192 * 2**20
-_PARTIAL = ".safetensors.partial"
+PARTIAL_SUFFIX = ".safetensors.partial"
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 class CheckpointWriter:
@@ -91,9 +93,9 @@ class CheckpointWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        part = self.out_dir / f"part-{len(self._parts) + 1:05d}{_PARTIAL}"
+        part = self.out_dir / f"part-{len(self._parts) + 1:05d}{PARTIAL_SUFFIX}"
         with atomic_path(part) as tmp:
-            save_file(self._pending, str(tmp))
+            write_safetensors(tmp, self._pending)
         self._parts.append((part, list(self._pending)))
         self._total_bytes += self._pending_bytes
         self._pending, self._pending_bytes = {}, 0
@@ -137,6 +139,10 @@ class CheckpointWriter:
             final = self.out_dir / (f"model-{i:05d}-of-{n:05d}.safetensors")
             os.replace(part, final)
             weight_map.update({name: final.name for name in names})
+        shards = set(weight_map.values())
+        for old in self.out_dir.iterdir():   # shards of an earlier checkpoint with another shard count
+            if _SHARD.fullmatch(old.name) and old.name not in shards and old.is_file():
+                old.unlink()
         fsync_dir(self.out_dir)
         index = {"metadata": {"total_size": self._total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         atomic_write_text(self.out_dir / INDEX_NAME, json.dumps(index, indent=2) + "\n")
@@ -158,7 +164,7 @@ class CheckpointWriter:
     def abort(self) -> None:
         """Remove shards written so far (partial names only; a finished checkpoint is never touched)."""
         for part, _ in self._parts:
-            if part.name.endswith(_PARTIAL) and part.exists():
+            if part.name.endswith(PARTIAL_SUFFIX) and part.exists():
                 part.unlink()
         self._parts.clear()
         self._pending.clear()

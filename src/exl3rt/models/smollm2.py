@@ -26,6 +26,7 @@ from typing import Optional
 
 from .. import env
 from ..util.fs import fsync_dir
+from ..util.safetensors_io import write_safetensors
 
 log = logging.getLogger("exl3rt.models")
 
@@ -76,7 +77,6 @@ def smollm2_bf16_dir(root: Optional[Path] = None, *, quiet: bool = False) -> Pat
         return final
     try:
         import torch
-        from safetensors.torch import save_file
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ModelSourceError(f"preparing {SMOLLM2_NAME} needs transformers, gguf and accelerate "
@@ -95,7 +95,7 @@ def smollm2_bf16_dir(root: Optional[Path] = None, *, quiet: bool = False) -> Pat
         tied = bool(getattr(cfg, "tie_word_embeddings", False))
         state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
                  if not (tied and k == "lm_head.weight")}
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(tmp / "model.safetensors", state, metadata={"format": "pt"})
         cfg_dict = cfg.to_dict()
         cfg_dict.pop("quantization_config", None)
         cfg_dict["dtype"] = "bfloat16"

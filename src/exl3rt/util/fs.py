@@ -98,10 +98,10 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
 def atomic_path(target: str | os.PathLike[str], *, mode: Optional[int] = None) -> Iterator[Path]:
     """Yield a temporary path beside ``target``; on success fsync it and rename it onto ``target``.
 
-    The temporary is private (0600) while it is written; after the rename ``target`` gets permission bits
-    ``mode`` (default: 0o666 less the process umask, like ``open``), so whatever replaced the temporary in
-    the meantime cannot leave its own. On an exception the temporary file is removed and ``target`` is
-    untouched. The caller must write into the yielded path itself (not through a writer that renames its own
+    The temporary is private (0600) while it is written; once written it gets permission bits ``mode``
+    (default: 0o666 less the process umask, like ``open``) and only then is renamed, so the published file
+    has them from its first moment and nothing that replaced the temporary meanwhile can leave its own. On
+    an exception the temporary file is removed and ``target`` is untouched. The caller must write into the yielded path itself (not through a writer that renames its own
     temporary onto it: :func:`exl3rt.util.safetensors_io.write_safetensors`, not ``save_file``).
     """
     target = Path(target)
@@ -110,9 +110,9 @@ def atomic_path(target: str | os.PathLike[str], *, mode: Optional[int] = None) -
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        os.chmod(tmp_path, 0o666 & ~_UMASK if mode is None else mode)
         fsync_file(tmp_path)
         os.replace(tmp_path, target)
-        os.chmod(target, 0o666 & ~_UMASK if mode is None else mode)
         fsync_dir(target.parent)
     except BaseException:
         with contextlib.suppress(OSError):

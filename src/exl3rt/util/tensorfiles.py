@@ -14,6 +14,8 @@ from typing import Any, Optional
 import torch
 from safetensors import safe_open
 
+from .names import file_name_problem
+
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 
@@ -93,6 +95,9 @@ class TensorFiles:
                 raise TensorFileError(f"{index_path}: missing or empty 'weight_map'")
             files: dict[str, Optional[set[str]]] = {}
             for tname, fname in wmap.items():
+                problem = file_name_problem(fname)
+                if problem:
+                    raise TensorFileError(f"{index_path}: the shard of tensor {tname!r}, {fname!r}, {problem}")
                 files.setdefault(fname, set()).add(tname)
             for fname in files:
                 if not (self.path / fname).is_file():
