@@ -6,7 +6,8 @@ replaces the file we created (and its permission bits). Writing the format here 
 path the caller chose (an :func:`exl3rt.util.fs.atomic_path` temporary) and never holds a second copy of a
 shard in memory.
 
-The layout (as the safetensors library writes it, byte for byte): an 8-byte little-endian header length,
+The layout (as the safetensors library writes it, byte for byte but for the order of the metadata keys,
+which it takes from a hash map): an 8-byte little-endian header length,
 the JSON header (``__metadata__`` first, then each tensor's dtype, shape and ``[begin, end)`` offsets into
 the data), padded with spaces to a multiple of 8, then the tensors' bytes back to back, ordered by dtype
 (widest first, so every tensor starts aligned to its element size) and then by name.
