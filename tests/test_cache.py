@@ -114,7 +114,7 @@ def test_root_is_created_private_and_layout_is_fanned_out(tmp_path, key):
     d = key.digest()
     assert res.path == cache.path_for(key) == cache.root / "v1" / d[:2] / f"{d}.safetensors"
     lock = Path(str(res.path) + ".lock")
-    assert lock.exists() and (lock.stat().st_mode & 0o002) == 0  # umask applies: never world-writable
+    assert lock.exists() and (lock.stat().st_mode & 0o777) == 0o600  # private, whatever the umask
 
 
 def test_loose_root_permissions_warn_once(tmp_path, key, caplog):

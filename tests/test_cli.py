@@ -108,3 +108,66 @@ def test_unwritable_output_is_one_line(tmp_path, capsys):
     assert main(["example", str(blocker / "sub")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("exl3rt: error:") and err.count("\n") == 1 and str(blocker) in err
+
+
+BAD_BITS = ["inf", "-inf", "nan", "17", "0", "4.5", "7.5", "-1", "abc", "", "1e400", "2.25"]
+
+
+@pytest.mark.parametrize("argv", [["generate", "--bits"], ["eval", "--bits", "4"], ["quantize", "s", "o", "--bits"],
+                                  ["quantize", "s", "o", "--head-bits"]], ids=lambda a: " ".join(a))
+def test_bits_outside_the_format_are_usage_errors(argv, tmp_path, capsys, monkeypatch):
+    """Every --bits / --head-bits takes exactly what normalize_bits takes (plus 16 where it means unquantized) and
+    refuses the rest as argparse usage errors (status 2, the last line naming the option), before anything runs."""
+    from exl3rt.cli import evaluate, generate, quantize
+
+    monkeypatch.setattr(generate, "run", lambda a: pytest.fail("generate ran"))
+    monkeypatch.setattr(evaluate, "run", lambda a: pytest.fail("eval ran"))
+    monkeypatch.setattr(quantize, "run", lambda a: pytest.fail("quantize ran"))
+    option = argv[-1] if argv[-1].startswith("--") else argv[-2]
+    for value in BAD_BITS + (["16"] if argv[0] == "quantize" and option == "--bits" else []):
+        with pytest.raises(SystemExit) as e:
+            main(argv + [value])
+        assert e.value.code == 2, value
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        if value == "-inf":     # argparse reads it as an option: a missing value, or an unrecognized argument
+            assert "expected one argument" in last or "unrecognized arguments: -inf" in last, last
+        else:
+            assert f"argument {option}: {value if value == '16' else repr(value)}" in last and "bitrate" in last, last
+
+
+def test_bits_values_accepted():
+    from exl3rt.cli.main import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["generate", "--bits", "16"]).bits == 16
+    assert p.parse_args(["generate", "--bits", "4.0"]).bits == 4
+    assert isinstance(p.parse_args(["generate", "--bits", "4.0"]).bits, int)
+    assert p.parse_args(["eval", "--bits", "1", "1.5", "8", "16"]).bits == [1, 1.5, 8, 16]
+    q = p.parse_args(["quantize", "s", "o", "--bits", "3.5", "--head-bits", "16"])
+    assert (q.bits, q.head_bits) == (3.5, 16)
+    assert p.parse_args(["generate"]).bits == 4 and p.parse_args(["quantize", "s", "o"]).head_bits == 6
+
+
+def test_env_bits_follow_normalize_bits():
+    """EXL3RT_VLLM_BITS accepts exactly what normalize_bits accepts (it used to take 4.5 .. 7.5, and 'inf'
+    crashed with OverflowError)."""
+    from exl3rt import env
+    from exl3rt.format.bits import ALL_BITS, normalize_bits
+    from exl3rt.format.errors import FormatError
+
+    values = [str(k) for k in ALL_BITS] + BAD_BITS[:-1] + ["4.0", "8.5", "16", "0.5", " 3 "]
+    for raw in values:
+        try:
+            want = normalize_bits(raw)
+        except FormatError:
+            want = None
+        if want is None or not raw.strip():
+            if not raw.strip():
+                assert env.VLLM_BITS.get({"EXL3RT_VLLM_BITS": raw}) is None   # unset
+                continue
+            with pytest.raises(env.EnvError, match="EXL3RT_VLLM_BITS="):
+                env.VLLM_BITS.get({"EXL3RT_VLLM_BITS": raw})
+        else:
+            got = env.VLLM_BITS.get({"EXL3RT_VLLM_BITS": raw})
+            assert got == want and type(got) is type(want), raw
+    assert {env.VLLM_BITS.get({"EXL3RT_VLLM_BITS": str(k)}) for k in ALL_BITS} == set(ALL_BITS)

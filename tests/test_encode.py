@@ -207,3 +207,180 @@ def test_g_search_open_path_estimate(bits):
     # best, which reuses the 32 it has
     assert counted.count(64) == 1 and set(counted) == {32, 64, 96}
     assert abs(g_open / g_full - 1) < 0.03, (g_open, g_full)
+
+
+# ---- weights fp16 scales cannot carry: all zero, partly zero, tiny, huge ------------------------------------
+
+def _digest(enc) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in (enc.trellis, enc.suh, enc.svh):
+        h.update(t.contiguous().view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def test_ordinary_weights_encode_as_before():
+    """Codes, scales, proxy error and g of ordinary weights (some zero rows and columns included) are those the
+    encoder produced before zero weights were handled (digests recorded then, on encoder version 2): the
+    cache keys stay valid."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(128, 256, generator=g)
+    w[:, 5] = 0
+    w[17] = 0
+    x = torch.randn(512, 128, generator=g)
+    h = x.T @ x / 512
+    want = {(2, "mcg", False): ("1800e12c97e370b4", 0.06872015903771365, 0.9898861720135715),
+            (2.5, "mul1", False): ("272fe8dd69c5ad51", 0.03467549732639238, 0.7702102297656475),
+            (3, "3inst", False): ("b5b88a81a1513752", 0.017877211667757013, 0.9263065730562617),
+            (3, "mcg", True): ("f29bcc2e6af9cb83", 0.01536846048577417, 0.9286875126925886)}
+    for (bits, cb, cal), (digest, err, g_scale) in want.items():
+        enc = quantize_weight(w, bits, cb, hessian=h if cal else None, seed=3, backend="numba")
+        assert (_digest(enc), enc.info["proxy_err"], enc.info["g_scale"]) == (digest, err, g_scale), (bits, cb, cal)
+
+
+@pytest.mark.parametrize("bits,codebook,calibrated", [(2, "mcg", False), (4, "mcg", False), (2.5, "mul1", False),
+                                                      (4, "3inst", False), (3, "mcg", True)])
+def test_zero_weight_encodes_to_exact_zero(bits, codebook, calibrated):
+    w = torch.zeros(256, 200)
+    h = torch.eye(256) if calibrated else None
+    enc = quantize_weight(w, bits, codebook, hessian=h, backend="numba", name="z")
+    assert isinstance(enc, EncodedLinear) and enc.bits == bits and enc.codebook == codebook
+    assert enc.trellis.shape == (16, 16, int(16 * bits)) and (enc.in_features, enc.out_features) == (256, 200)
+    assert enc.info["proxy_err"] == 0.0 and enc.info["calibrated"] == calibrated
+    assert torch.isfinite(enc.suh.float()).all() and not enc.svh.any()
+    assert torch.equal(enc.reconstruct(), torch.zeros(256, 200))
+    full = reconstruct(enc.trellis, enc.suh, enc.svh, enc.codebook)
+    assert torch.equal(full, torch.zeros(256, 256))
+    assert not tail_biting_violations(unpack_states(enc.trellis, bits), bits).any()
+    EncodedLinear(enc.trellis, enc.suh, enc.svh, enc.codebook)  # validates as a stored linear would
+
+
+def test_partly_zero_weight():
+    """All-zero rows and columns in an otherwise ordinary weight: finite proxy error, zero columns exactly zero,
+    the rest at the Gaussian error level."""
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(8))
+    w[:, 100:140] = 0     # columns (across a 128-block boundary)
+    w[:, 250] = 0
+    w[30:60] = 0          # rows
+    enc = quantize_weight(w, 4, "mcg", backend="numba")
+    err = enc.info["proxy_err"]
+    assert math.isfinite(err) and 0 < err < 0.02
+    rec = enc.reconstruct()
+    assert not rec[:, 100:140].any() and not rec[:, 250].any()
+    true_err = proxy_error(w, rec)
+    assert true_err < 2 * 2 ** (-2 * 4) and err == pytest.approx(true_err, rel=0.5)
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e-21, 1e-10, 1e-8])
+def test_tiny_weight_is_an_honest_zero(scale):
+    """Magnitudes fp16 scales cannot carry: the reconstruction is exactly zero and the proxy error is its true
+    relative error, 1 (1e-8: found only after the g search, where suh / g rounds to zero)."""
+    w = torch.randn(128, 128, generator=torch.Generator().manual_seed(9)) * scale
+    enc = quantize_weight(w, 4, "mcg", backend="numba")
+    rec = enc.reconstruct()
+    assert torch.equal(rec, torch.zeros(128, 128))
+    truth = float(((w.double() - rec.double()).square().sum() / w.double().square().sum()))
+    assert truth == 1.0 and enc.info["proxy_err"] == 1.0
+    assert torch.isfinite(enc.suh.float()).all() and torch.isfinite(enc.svh.float()).all()
+
+
+def test_huge_weight_is_refused_by_name():
+    w = torch.randn(128, 128, generator=torch.Generator().manual_seed(9)) * 1e5
+    with pytest.raises(EncodeError, match=r"big: input-channel scales .* exceed fp16's range"):
+        quantize_weight(w, 4, "mcg", backend="numba", name="big")
+
+
+def test_proxy_error_of_zero_energy():
+    z = torch.zeros(16, 16)
+    one = torch.ones(16, 16)
+    assert proxy_error(z, z) == 0.0 and proxy_error(z, z, torch.eye(16)) == 0.0
+    assert proxy_error(z, one) == math.inf and proxy_error(z, one, torch.eye(16)) == math.inf
+    assert proxy_error(one, z) == 1.0 and proxy_error(one, 0.5 * one) == 0.25
+
+
+@pytest.fixture(scope="module")
+def zero_llama(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from tiny_models import tiny_llama
+
+    return tiny_llama(tmp_path_factory.mktemp("zero") / "tiny", layers=1)
+
+
+# only o_proj (ordinary) and down_proj (all zero) are quantized: enough for the path, fast on 2 cores
+_KEEP_DENSE = ["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj"]
+
+
+def _load_zeroed(path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.zero_()
+    return model
+
+
+@pytest.mark.parametrize("mode", ["readwrite", "readonly", "off"])
+def test_online_quantization_with_an_all_zero_linear(zero_llama, tmp_path, mode):
+    """quantize_model on a model with an all-zero linear works in every cache mode; the zero layer outputs exact
+    zeros; readwrite publishes both layers (a second run reads them), readonly and off write nothing."""
+    from exl3rt.runtime import Exl3Config, Exl3Linear, quantize_model
+
+    root = tmp_path / "cache"
+    model = _load_zeroed(zero_llama)
+    cfg = Exl3Config(bits=4, cache_mode=mode, cache_dir=str(root), ignore=_KEEP_DENSE)
+    summary = quantize_model(model, cfg, progress=False)
+    assert (summary["layers"], summary["misses"]) == (2, 2)
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down, Exl3Linear)
+    x = torch.randn(3, down.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(down(x), torch.zeros(3, down.out_features))
+        assert torch.isfinite(model(torch.tensor([[1, 5, 7]])).logits).all()
+    if mode != "readwrite":
+        assert not root.exists()
+        return
+    assert len(list(root.rglob("*.safetensors"))) == 2
+    again = _load_zeroed(zero_llama)
+    summary = quantize_model(again, Exl3Config(bits=4, cache_mode="readonly", cache_dir=str(root),
+                                               ignore=_KEEP_DENSE), progress=False)
+    assert (summary["hits"], summary["misses"]) == (2, 0)
+    assert torch.equal(again.model.layers[0].mlp.down_proj.trellis, down.trellis)
+
+
+def test_from_pretrained_with_an_all_zero_linear(zero_llama, tmp_path):
+    """The transformers load path (what `exl3rt generate` does): a checkpoint holding an all-zero linear loads."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from exl3rt.runtime import Exl3Config, Exl3Linear
+
+    src = tmp_path / "zeroed"
+    shutil.copytree(zero_llama, src)
+    _load_zeroed(zero_llama).save_pretrained(str(src), safe_serialization=True)
+    cfg = Exl3Config(bits=3, cache_mode="readwrite", cache_dir=str(tmp_path / "cache"), ignore=_KEEP_DENSE)
+    model = AutoModelForCausalLM.from_pretrained(str(src), quantization_config=cfg, dtype=torch.float32).eval()
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down, Exl3Linear) and model.hf_quantizer.summary()["misses"] == 2
+    with torch.no_grad():
+        assert torch.equal(down(torch.ones(2, down.in_features)), torch.zeros(2, down.out_features))
+
+
+def test_quantize_cli_with_an_all_zero_linear(zero_llama, tmp_path, capsys):
+    """`exl3rt quantize` of a checkpoint with an all-zero linear: a finite mean proxy error (it printed inf) and
+    a layer that reconstructs to exactly zero."""
+    import shutil
+
+    from exl3rt.cli.main import main
+    from exl3rt.format import Exl3Checkpoint
+
+    src = tmp_path / "zeroed"
+    shutil.copytree(zero_llama, src)
+    _load_zeroed(zero_llama).save_pretrained(str(src), safe_serialization=True)
+    out = tmp_path / "exl3"
+    keep = [a for p in ("*.self_attn.*", "*.gate_proj", "*.up_proj") for a in ("--keep", p)]
+    assert main(["quantize", str(src), str(out), "--bits", "2", "--head-bits", "16", "--quiet", *keep]) == 0
+    assert "mean proxy error 0.00e+00" in capsys.readouterr().out
+    down = Exl3Checkpoint(out).load_linear("model.layers.0.mlp.down_proj")
+    assert down.reconstruct().shape[1] == 128 and not down.reconstruct().any()   # widths as stored: padded

@@ -47,9 +47,10 @@ def test_generate_readonly_cache_writes_nothing(tiny, tmp_path, capsys):
     assert not root.exists()
 
 
-def test_generate_rejects_a_path_without_config(tmp_path):
-    with pytest.raises(SystemExit, match="no config.json"):
-        main(["generate", "--model", str(tmp_path), "--quiet"])
+def test_generate_rejects_a_path_without_config(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("exl3rt: error: --model") and "no config.json" in err and err.count("\n") == 1
 
 
 def test_eval_table_orders_bitrates(tiny, tmp_path, capsys):
@@ -77,11 +78,14 @@ def test_generate_bad_bits_is_a_clear_error(tiny, tmp_path, capsys):
     assert not (tmp_path / "c").exists()
 
 
-@pytest.mark.parametrize("cmd,bits", [("eval", ["4", "0"]), ("eval", ["2.5"]), ("generate", ["9"]),
-                                      ("generate", ["3.5"])])
-def test_bad_bits_refused_before_anything_loads(cmd, bits, tmp_path, capsys, monkeypatch):
-    """A bad ``--bits`` (outside 1..8, or half-integer without ``--codebook mul1``) is one error line before the model
-    is even looked for — ``eval`` used to score the unquantized model first and fail minutes later."""
+@pytest.mark.parametrize("cmd,bits,status", [("eval", ["4", "0"], 2), ("eval", ["2.5"], 1), ("generate", ["9"], 2),
+                                             ("generate", ["3.5"], 1), ("generate", ["inf"], 2), ("generate", ["17"], 2),
+                                             ("eval", ["4", "nan"], 2)])
+def test_bad_bits_refused_before_anything_loads(cmd, bits, status, tmp_path, capsys, monkeypatch):
+    """A bad ``--bits`` is refused before the model is even looked for — ``eval`` used to score the unquantized
+    model first and fail minutes later, ``generate --bits inf`` / ``17`` ran unquantized. A value that is no
+    bitrate at all is argparse's usage error (status 2); half-integer K without ``--codebook mul1`` one
+    ``exl3rt: error:`` line (status 1)."""
     from exl3rt.cli import evaluate, generate
 
     def never(*a, **k):
@@ -90,9 +94,17 @@ def test_bad_bits_refused_before_anything_loads(cmd, bits, tmp_path, capsys, mon
     for mod in (evaluate, generate):
         monkeypatch.setattr(mod, "model_path", never)
         monkeypatch.setattr(mod, "load", never)
-    assert main([cmd, "--bits", *bits, "--cache-dir", str(tmp_path / "c")]) == 1
+    try:
+        rc = main([cmd, "--bits", *bits, "--cache-dir", str(tmp_path / "c")])
+    except SystemExit as e:
+        rc = e.code
+    assert rc == status
     err = capsys.readouterr().err
-    assert err.startswith("exl3rt: error: --bits") and err.count("\n") == 1
+    if status == 1:
+        assert err.startswith("exl3rt: error: --bits") and "mul1" in err and err.count("\n") == 1
+    else:
+        assert err.strip().splitlines()[-1].endswith(f"argument --bits: '{bits[-1]}' is not a bitrate: use 1..8, "
+                                                     f"or 1.5, 2.5, 3.5 with --codebook mul1, or 16 (unquantized)")
     assert not (tmp_path / "c").exists()
 
 
@@ -126,7 +138,7 @@ def test_generate_names_a_refused_weight_in_one_line(tiny, tmp_path, capsys):
     assert "Traceback" not in err and not any("LOAD REPORT" in m for m in seen)
 
 
-def test_generate_refuses_a_quantized_checkpoint_with_the_way_out(tiny, tmp_path):
+def test_generate_refuses_a_quantized_checkpoint_with_the_way_out(tiny, tmp_path, capsys):
     """An EXL3 checkpoint (from exl3rt quantize) as --model: one line saying it is already quantized and how to
     serve it, before anything loads (it used to fail inside transformers: "7 selected weights were not in the
     checkpoint"); another method's checkpoint is named too."""
@@ -134,10 +146,13 @@ def test_generate_refuses_a_quantized_checkpoint_with_the_way_out(tiny, tmp_path
 
     out = tmp_path / "exl3"
     assert main(["quantize", str(tiny), str(out), "--bits", "3", "--quiet"]) == 0
-    with pytest.raises(SystemExit, match="quant_method 'exl3'.*serve it with vLLM.*point --model at the original"):
-        main(["generate", "--model", str(out), "--quiet"])
+    capsys.readouterr()
+    assert main(["generate", "--model", str(out), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert re.match(r"exl3rt: error: --model .*quant_method 'exl3'.*serve it with vLLM.*point --model at the original",
+                    err) and err.count("\n") == 1
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(SystemExit, match="quant_method 'gptq'\\); this command quantizes"):
-        main(["eval", "--model", str(out), "--bits", "4"])
+    assert main(["eval", "--model", str(out), "--bits", "4"]) == 1
+    assert "quant_method 'gptq'); this command quantizes" in capsys.readouterr().err

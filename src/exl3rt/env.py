@@ -153,13 +153,9 @@ MOE_PREFILL_CAPACITY: EnvVar[Optional[int]] = EnvVar(
     "MoE: rows of the prefill arena (unset = the declared max batch); larger batches run in slices")
 
 def _bits(raw: str) -> float | int:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError("expected K: an integer 1..8 or a half-integer 1.5/2.5/3.5 (mul1 codebook)") from None
-    if value * 2 != int(value * 2) or not 1 <= value <= 8:
-        raise ValueError(f"K must be 1..8 (or 1.5/2.5/3.5 with the mul1 codebook), got {raw}")
-    return int(value) if value.is_integer() else value
+    from .format.bits import normalize_bits  # the one rule for K (FormatError is a ValueError)
+
+    return normalize_bits(raw, name="K")
 
 
 def _codebook(raw: str) -> str:

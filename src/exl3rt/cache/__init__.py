@@ -13,10 +13,11 @@ are published atomically under a per-entry ``filelock`` and are fully validated 
 
 Trust boundary: a cache entry becomes model weights. The only integrity checks are the stored key and
 payload digest, which anyone able to write an entry can forge, so the cache directory must be writable
-only by the user that serves the model (same trust as the checkpoint itself). The root is created with
-mode 0700; lock files are created with the process umask (never world-writable 0o666). A group- or
-world-writable root is reported with a warning. Do not point several users at one shared cache
-directory; give each its own, or pre-populate one and mount it read-only with mode ``readonly``.
+only by the user that serves the model (same trust as the checkpoint itself). Directories are created
+with mode 0700 and lock files with 0600. A group/world-writable root, ``v1`` or fan-out directory, or one
+owned by another user, is reported with a warning; nothing below the root is followed through a symbolic
+link. Do not point several users at one shared cache directory; give each its own, or pre-populate one
+and mount it read-only with mode ``readonly``.
 """
 
 from .config import CacheMode, default_cache_root, parse_cache_mode

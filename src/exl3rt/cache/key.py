@@ -25,6 +25,7 @@ from ..format.codebooks import check_codebook
 from ..format.encoded import padded_width
 from ..format.errors import FormatError
 from .errors import CacheError
+from ..util.safejson import loads_bounded
 
 try:
     import blake3 as _blake3
@@ -33,6 +34,9 @@ except ImportError:  # pragma: no cover - blake3 is a dependency; message says h
 
 #: Version of the key layout and entry format; part of every key and of the directory name (``v1``).
 SCHEMA = 1
+
+#: Largest key JSON accepted from an entry (a real key is a few hundred bytes).
+MAX_KEY_JSON = 64 << 10
 
 #: Name of the content hash (recorded in entry metadata).
 HASH_NAME = "blake3"
@@ -209,9 +213,9 @@ class CacheKey:
     @classmethod
     def from_json(cls, text: str) -> "CacheKey":
         try:
-            data = json.loads(text)
+            data = loads_bounded(text, max_bytes=MAX_KEY_JSON)
         except ValueError as exc:
-            raise CacheError(f"cache key is not JSON: {exc}") from None
+            raise CacheError(f"cache key is not usable JSON: {exc}") from None
         if not isinstance(data, dict):
             raise CacheError("cache key JSON is not an object")
         return cls.from_dict(data)

@@ -1,7 +1,7 @@
 """EncodingCache: load an encoding from the cache or encode it, publish it, list/verify/prune entries.
 
 Layout: ``<root>/v1/<digest[:2]>/<digest>.safetensors`` with ``<digest>.safetensors.lock`` beside it
-(the per-entry lock) and, while a publish is in flight, ``.<digest>.safetensors.<random>.tmp``.
+(the per-entry lock, mode 0600) and, while a publish is in flight, ``.<digest>.safetensors.<random>.tmp``.
 
 Concurrency: readers never lock (publication is an atomic rename, so a reader sees no file or a whole
 one). A writer takes the entry's ``filelock`` (flock on Linux: released by the kernel when the holder
@@ -9,6 +9,11 @@ dies, even by SIGKILL), re-checks the entry (another process may have published 
 encodes, writes a temporary file in the same directory, fsyncs it, renames it onto the entry name and
 fsyncs the directory. Temporary files left by a killed writer are removed by the next writer of that
 entry (it holds the lock, so they cannot be live) and by ``exl3rt cache prune``.
+
+Hostile trees: below the root (which may itself be a link) nothing is followed through a symbolic link:
+``v1``, the fan-out directories, entries and lock files are examined with ``lstat``; a linked or
+non-directory ``v1``/fan-out directory is never read or written through, and only regular files are read
+or removed.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import dataclasses
 import errno
 import logging
 import os
+import re
+import stat
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
@@ -26,9 +33,9 @@ import torch
 
 from ..format.encoded import EncodedLinear
 from ..format.errors import FormatError
-from ..util.fs import atomic_path
+from ..util.fs import atomic_path, temp_files, temp_target
 from .config import CacheMode, parse_cache_mode, resolve_root
-from .entry import (SUFFIX, CacheEntryInfo, check_encoding, entry_info, entry_payload, nonfinite_reason,
+from .entry import (SUFFIX, CacheEntryInfo, check_encoding, entry_info, entry_payload, file_kind, nonfinite_reason,
                     proxy_err_of, read_entry, remove_quietly, write_entry)
 from .errors import CacheError, InvalidEntryError
 from .key import SCHEMA, CacheKey
@@ -37,8 +44,13 @@ log = logging.getLogger(__name__)
 
 LAYOUT = f"v{SCHEMA}"
 LOCK_SUFFIX = ".lock"
-TMP_SUFFIX = ".tmp"
+LOCK_MODE = 0o600
 DEFAULT_LOCK_TIMEOUT = 600.0
+#: Age after which prune removes temporaries that no entry lock protects (``.tmpXXXXXX`` left by
+#: ``safetensors.torch.save_file`` in older versions): no write of one entry takes this long.
+FOREIGN_TMP_GRACE = 15 * 60.0
+_FANOUT = re.compile(r"[0-9a-f]{2}")
+_IN_USE = "being written by another process"
 
 
 @dataclasses.dataclass
@@ -87,6 +99,7 @@ class VerifyResult:
     ok: bool
     reason: str = ""
     deleted: bool = False
+    kept: str = ""      # with delete_invalid: why an invalid entry was not deleted
 
 
 @dataclasses.dataclass
@@ -95,6 +108,7 @@ class PruneReport:
 
     removed: list[CacheEntryInfo] = dataclasses.field(default_factory=list)
     skipped_in_use: list[CacheEntryInfo] = dataclasses.field(default_factory=list)
+    skipped: list[tuple[CacheEntryInfo, str]] = dataclasses.field(default_factory=list)  # (entry, why kept)
     freed_bytes: int = 0
     remaining_bytes: int = 0
     remaining_entries: int = 0
@@ -109,6 +123,15 @@ _PUBLISH = "publish"
 _INVALID = "invalid"
 _UNREADABLE = "unreadable"
 _TRUST = "trust"
+_UNSAFE = "unsafe"
+
+
+class _UnsafePath(Exception):
+    """A path below the root that must not be used: a symbolic link, or not what the layout expects."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path} {reason}")
+        self.path, self.reason = path, reason
 
 
 class EncodingCache:
@@ -116,8 +139,8 @@ class EncodingCache:
 
     ``root`` defaults to ``EXL3RT_CACHE_DIR`` or ``$XDG_CACHE_HOME/exl3rt``; ``mode`` to
     ``EXL3RT_CACHE_MODE`` or ``readwrite``. A cache problem (unwritable directory, full disk, lock
-    timeout, invalid entry) never stops a model from loading: the layer is encoded uncached and the
-    problem is logged once per kind.
+    timeout, invalid entry, a linked directory below the root) never stops a model from loading: the
+    layer is encoded uncached and the problem is logged once per kind.
     """
 
     def __init__(self, root: Union[str, Path, None] = None, mode: Union[str, CacheMode, None] = None, *,
@@ -127,7 +150,7 @@ class EncodingCache:
         self.lock_timeout = float(lock_timeout)
         self.stats = CacheStats()
         self._warned: set[str] = set()
-        self._root_checked = False
+        self._dirs_ok: set[Path] = set()  # directories found real (and trust-checked) by this object
 
     def __repr__(self) -> str:
         return f"EncodingCache(root={str(self.root)!r}, mode={self.mode.value!r})"
@@ -156,20 +179,51 @@ class EncodingCache:
             self._warned.add(kind)
             log.warning(msg + " (further problems of this kind are logged at DEBUG)", *args)
 
-    def _check_root_trust(self) -> None:
-        if self._root_checked:
-            return
-        self._root_checked = True
-        try:
-            st = self.root.stat()
-        except OSError:
-            return
+    def _warn_unsafe(self, exc: _UnsafePath, what: str) -> None:
+        self._warn(_UNSAFE, "encoding cache path %s %s; nothing is read or written through it (a link could lead "
+                   "outside the cache root %s): %s. Remove it (the cache recreates what it needs)",
+                   exc.path, exc.reason, self.root, what)
+
+    def _check_trust(self, directory: Path, st: os.stat_result) -> None:
         loose = st.st_mode & 0o022
         foreign = hasattr(os, "geteuid") and st.st_uid not in (os.geteuid(), 0)
         if loose or foreign:
-            self._warn(_TRUST, "encoding cache %s is %s: cached entries become model weights, so the directory "
+            self._warn(_TRUST, "encoding cache directory %s is %s: cached entries become model weights, so the cache "
                        "must be writable only by the serving user (chmod 700 it, or use EXL3RT_CACHE_DIR)",
-                       self.root, "writable by group/others" if loose else f"owned by uid {st.st_uid}")
+                       directory, "writable by group/others" if loose else f"owned by uid {st.st_uid}")
+
+    def _note_dir(self, directory: Path, st: os.stat_result) -> None:
+        """Record ``directory`` as a real directory, checking its trust once per cache object."""
+        if directory not in self._dirs_ok:
+            self._dirs_ok.add(directory)
+            self._check_trust(directory, st)
+
+    def _check_dir(self, directory: Path) -> bool:
+        """True if ``directory`` is a real directory (trust-checked once), False if it does not exist.
+
+        Raises :class:`_UnsafePath` for anything else below the root, OSError for a root that is not a
+        directory or cannot be examined. The root is followed (it may be a link to a big disk); every
+        directory below it is examined with ``lstat``.
+        """
+        if directory in self._dirs_ok:
+            return True
+        is_root = directory == self.root
+        try:
+            st = os.stat(directory) if is_root else os.lstat(directory)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISDIR(st.st_mode):
+            if is_root:
+                raise NotADirectoryError(errno.ENOTDIR, "Not a directory", str(directory))
+            raise _UnsafePath(directory, f"is a {file_kind(st.st_mode)}, not a directory")
+        self._note_dir(directory, st)
+        return True
+
+    def _check_dirs(self, fanout: Path) -> None:
+        """Check the root, ``v1`` and ``fanout`` down to the first one that does not exist yet."""
+        for d in (self.root, self.entries_dir, fanout):
+            if not self._check_dir(d):
+                return
 
     # ---- keys ----------------------------------------------------------------------------------
     def key_for_weight(self, weight_hf: torch.Tensor, **kwargs: Any) -> CacheKey:
@@ -194,31 +248,35 @@ class EncodingCache:
         """
         t0 = time.perf_counter()
         label = name or key.describe()
+        if key.schema != SCHEMA:
+            raise CacheError(f"{label}: the cache key has schema {key.schema}, but this exl3rt writes schema {SCHEMA}; "
+                             f"build keys with CacheKey.for_weight")
         path = self.path_for(key)
 
         if self.mode is CacheMode.OFF:
             enc = self._encode_checked(key, encode, label)
             return CacheResult(_place(enc, device, name), False, None, time.perf_counter() - t0)
 
-        self._check_root_trust()
+        try:
+            self._check_dirs(path.parent)
+        except _UnsafePath as exc:
+            self._warn_unsafe(exc, "encoding without caching")
+            return self._uncached(key, encode, label, device, name, t0)
+        except OSError as exc:
+            self._warn_unavailable(exc)
+            return self._uncached(key, encode, label, device, name, t0)
         status, loaded = self._try_read(path, key, label, refresh=self.mode is CacheMode.READWRITE)
         if loaded is not None:
             return CacheResult(_place(loaded, device, name), True, path, time.perf_counter() - t0)
         seen_invalid = status == "invalid"
 
         if self.mode is CacheMode.READONLY:
-            self.stats.misses += 1
-            enc = self._encode_checked(key, encode, label)
-            self.stats.uncached += 1
-            return CacheResult(_place(enc, device, name), False, None, time.perf_counter() - t0)
+            return self._uncached(key, encode, label, device, name, t0)
 
         # readwrite: lock, re-check, encode, publish
         lock = self._acquire(path, label)
         if lock is None:
-            self.stats.misses += 1
-            enc = self._encode_checked(key, encode, label)
-            self.stats.uncached += 1
-            return CacheResult(_place(enc, device, name), False, None, time.perf_counter() - t0)
+            return self._uncached(key, encode, label, device, name, t0)
         try:
             status, loaded = self._try_read(path, key, label, refresh=False, count_invalid=not seen_invalid)
             if loaded is not None:
@@ -234,6 +292,13 @@ class EncodingCache:
             except OSError:  # pragma: no cover - releasing a flock does not fail in practice
                 pass
 
+    def _uncached(self, key: CacheKey, encode: Callable[[], EncodedLinear], label: str,
+                  device: Union[str, torch.device], name: str, t0: float) -> CacheResult:
+        self.stats.misses += 1
+        enc = self._encode_checked(key, encode, label)
+        self.stats.uncached += 1
+        return CacheResult(_place(enc, device, name), False, None, time.perf_counter() - t0)
+
     # ---- steps ---------------------------------------------------------------------------------
     def _try_read(self, path: Path, key: CacheKey, label: str, *, refresh: bool,
                   count_invalid: bool = True) -> tuple[str, Optional[EncodedLinear]]:
@@ -244,7 +309,7 @@ class EncodingCache:
         try:
             loaded = read_entry(path, key)
         except InvalidEntryError as exc:
-            if not path.exists() and exc.reason.startswith("unreadable"):
+            if not os.path.lexists(path) and exc.reason.startswith("unreadable"):
                 return "missing", None
             if exc.reason.startswith("unreadable"):
                 self._warn(_UNREADABLE, "cannot read encoding cache entry %s for %s: %s; encoding it instead",
@@ -261,16 +326,32 @@ class EncodingCache:
         self.stats.read_seconds += time.perf_counter() - t0
         if refresh:  # readwrite: record the use, so that `prune --older-than` means "unused for"
             try:
-                os.utime(path)
+                if os.utime in os.supports_follow_symlinks:
+                    os.utime(path, follow_symlinks=False)
+                else:  # pragma: no cover - Linux and macOS support it
+                    os.utime(path)
             except OSError:
                 pass
         return "hit", loaded.encoded
+
+    def _lock(self, entry: Path, timeout: float) -> filelock.BaseFileLock:
+        """The entry's lock object (not acquired); raises :class:`_UnsafePath` if the lock file is not a
+        regular file (some filelock versions open it with O_TRUNC, through a link)."""
+        lock_path = self.lock_path(entry)
+        try:
+            st = os.lstat(lock_path)
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISREG(st.st_mode):
+                raise _UnsafePath(lock_path, f"is a {file_kind(st.st_mode)}, not a lock file")
+        return filelock.FileLock(str(lock_path), timeout=timeout, mode=LOCK_MODE)
 
     def _acquire(self, path: Path, label: str) -> Optional[filelock.BaseFileLock]:
         """Create the entry's directory and take its lock; None (after a warning) when impossible."""
         try:
             self._make_dirs(path.parent)
-            lock = filelock.FileLock(str(self.lock_path(path)), timeout=self.lock_timeout)
+            lock = self._lock(path, self.lock_timeout)
             t0 = time.perf_counter()
             try:
                 lock.acquire()
@@ -281,27 +362,37 @@ class EncodingCache:
             self._warn(_LOCK_TIMEOUT, "timed out after %.0f s waiting for the encoding cache lock of %s (%s); "
                        "another process holds it. Encoding uncached", self.lock_timeout, label,
                        self.lock_path(path))
+        except _UnsafePath as exc:
+            self._warn_unsafe(exc, "encoding without caching")
         except OSError as exc:
-            self._warn(_UNAVAILABLE, "encoding cache %s is unavailable (%s); encoding without caching. "
-                       "Fix the directory's permissions, choose another with EXL3RT_CACHE_DIR, or set "
-                       "EXL3RT_CACHE_MODE=readonly/off", self.root, _oserror_text(exc))
+            self._warn_unavailable(exc)
         return None
 
+    def _warn_unavailable(self, exc: OSError) -> None:
+        self._warn(_UNAVAILABLE, "encoding cache %s is unavailable (%s); encoding without caching. "
+                   "Fix the directory's permissions, choose another with EXL3RT_CACHE_DIR, or set "
+                   "EXL3RT_CACHE_MODE=readonly/off", self.root, _oserror_text(exc))
+
     def _make_dirs(self, directory: Path) -> None:
-        """Create ``directory`` and parents below the root with mode 0700 (the root too)."""
-        if directory.is_dir():
+        """Create ``directory`` and parents below the root with mode 0700 (the root too), checking each
+        before anything is created inside it."""
+        if directory in self._dirs_ok:
             return
-        if not self.root.is_dir():
+        if not self._check_dir(self.root):
             self.root.parent.mkdir(parents=True, exist_ok=True)
             try:
                 self.root.mkdir(mode=0o700)
             except FileExistsError:
                 pass
+            self._check_dir(self.root)
         for d in (self.entries_dir, directory):
-            try:
-                d.mkdir(mode=0o700)
-            except FileExistsError:
-                pass
+            if not self._check_dir(d):
+                try:
+                    d.mkdir(mode=0o700)
+                except FileExistsError:
+                    pass
+                if not self._check_dir(d):  # removed again at once: let the next step report it
+                    raise FileNotFoundError(errno.ENOENT, "directory vanished while it was created", str(d))
 
     def _encode_checked(self, key: CacheKey, encode: Callable[[], EncodedLinear], label: str) -> EncodedLinear:
         """``encode()``, checked against ``key``; one retry on a non-finite result."""
@@ -357,57 +448,109 @@ class EncodingCache:
 
     def _remove_stale_temporaries(self, path: Path) -> int:
         """Remove temporaries of ``path`` left by dead writers (call with the entry's lock held)."""
-        removed = 0
+        return sum(remove_quietly(tmp) for tmp in temp_files(path.parent) if temp_target(tmp.name) == path.name)
+
+    # ---- walks (never through a link below the root) -------------------------------------------
+    def _fanout_dirs(self) -> tuple[list[Path], list[Path]]:
+        """(real fan-out directories under ``v1``, sorted; links and non-directories found where
+        ``v1`` or a fan-out directory should be, which are warned about and not followed)."""
+        base = self.entries_dir
         try:
-            for tmp in path.parent.glob(f".{path.name}.*{TMP_SUFFIX}"):
-                removed += remove_quietly(tmp)
+            if not self._check_dir(self.root) or not self._check_dir(base):
+                return [], []
+        except _UnsafePath as exc:
+            self._warn_unsafe(exc, "skipped")
+            return [], [exc.path]
+        except OSError:  # the root is not a directory, or cannot be examined: nothing to walk
+            return [], []
+        dirs, skipped = [], []
+        try:
+            with os.scandir(base) as it:
+                for e in it:
+                    if not _FANOUT.fullmatch(e.name):
+                        continue  # not part of the layout
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    p = Path(e.path)
+                    if stat.S_ISDIR(st.st_mode):
+                        self._note_dir(p, st)
+                        dirs.append(p)
+                    else:
+                        self._warn_unsafe(_UnsafePath(p, f"is a {file_kind(st.st_mode)}, not a directory"), "skipped")
+                        skipped.append(p)
         except OSError:
             pass
-        return removed
+        return sorted(dirs), sorted(skipped)
 
-    # ---- administration (exl3rt cache ...) ------------------------------------------------------
+    @staticmethod
+    def _scan(directory: Path) -> list[tuple[Path, os.stat_result]]:
+        """(path, lstat) of every name in ``directory``, sorted; names that vanish are left out."""
+        out = []
+        try:
+            with os.scandir(directory) as it:
+                for e in it:
+                    try:
+                        out.append((Path(e.path), e.stat(follow_symlinks=False)))
+                    except OSError:
+                        continue
+        except OSError:
+            return []
+        return sorted(out, key=lambda item: item[0])
+
     def entries(self) -> Iterator[CacheEntryInfo]:
-        """Every entry file under ``<root>/v1`` (header facts only), sorted by path."""
-        base = self.entries_dir
-        if not base.is_dir():
-            return
-        for sub in sorted(p for p in base.iterdir() if p.is_dir()):
-            for f in sorted(sub.glob(f"*{SUFFIX}")):
-                if f.name.startswith("."):
-                    continue
-                yield entry_info(f)
+        """Every name ``<digest>.safetensors`` under the real fan-out directories of ``<root>/v1``, sorted by
+        path: header facts of regular files; anything else (directory, link, FIFO …) with ``regular=False``
+        and ``error`` saying what it is. Nothing is followed through a symbolic link."""
+        for sub in self._fanout_dirs()[0]:
+            for p, st in self._scan(sub):
+                if p.name.endswith(SUFFIX) and not p.name.startswith("."):
+                    yield entry_info(p, st)
 
     def summary(self) -> dict[str, Any]:
-        """Totals for ``exl3rt cache stats``: entries, bytes, unreadable headers, stray files."""
-        n = size = bad = 0
+        """Totals for ``exl3rt cache stats``: entries, bytes, bad headers, stray files, links not followed."""
+        n = size = bad = not_regular = 0
         oldest: Optional[float] = None
         newest: Optional[float] = None
         for e in self.entries():
             n += 1
             size += e.size
             bad += e.error is not None
+            not_regular += not e.regular
             oldest = e.mtime if oldest is None else min(oldest, e.mtime)
             newest = e.mtime if newest is None else max(newest, e.mtime)
         temps = locks = 0
-        if self.entries_dir.is_dir():
-            for sub in self.entries_dir.iterdir():
-                if sub.is_dir():
-                    temps += sum(1 for _ in sub.glob(f".*{TMP_SUFFIX}"))
-                    locks += sum(1 for _ in sub.glob(f"*{LOCK_SUFFIX}"))
+        dirs, skipped = self._fanout_dirs()
+        for sub in dirs:
+            temps += len(temp_files(sub))
+            locks += sum(1 for p, st in self._scan(sub)
+                         if p.name.endswith(SUFFIX + LOCK_SUFFIX) and stat.S_ISREG(st.st_mode))
         return {"root": str(self.root), "layout": LAYOUT, "mode": self.mode.value, "entries": n, "bytes": size,
-                "unreadable_headers": bad, "temporary_files": temps, "lock_files": locks,
-                "oldest_mtime": oldest, "newest_mtime": newest}
+                "unreadable_headers": bad, "not_regular_files": not_regular, "temporary_files": temps,
+                "lock_files": locks, "links_not_followed": len(skipped), "oldest_mtime": oldest,
+                "newest_mtime": newest}
 
     def verify(self, *, delete_invalid: bool = False) -> list[VerifyResult]:
         """Fully re-validate every entry against the key stored in it (and its file name).
 
         With ``delete_invalid`` (readwrite only), invalid entries are removed under their lock; an entry
-        whose lock is held (being written) is never deleted.
+        whose lock is held (being written) is never deleted, nor is anything that is not a regular file
+        (``kept`` says why). Raises CacheError if the root does not exist.
         """
         if delete_invalid:
             self._require_writable("verify --delete-invalid")
+        if not self.root.is_dir():
+            what = "is not a directory" if os.path.lexists(self.root) else "does not exist"
+            raise CacheError(f"cache root {self.root} {what}; nothing to verify (check --root or EXL3RT_CACHE_DIR)")
         results = []
         for info in self.entries():
+            if not info.regular:
+                res = VerifyResult(info, False, info.error or "not a regular file")
+                if delete_invalid:
+                    res.kept = "not a regular file; remove it by hand"
+                results.append(res)
+                continue
             try:
                 read_entry(info.path, None)
                 results.append(VerifyResult(info, True))
@@ -415,16 +558,19 @@ class EncodingCache:
             except InvalidEntryError as exc:
                 res = VerifyResult(info, False, exc.reason)
             if delete_invalid:
-                res.deleted = self._remove_if_unlocked(info.path)
+                why = self._remove_if_unlocked(info.path)
+                res.deleted, res.kept = why is None, why or ""
             results.append(res)
         return results
 
     def prune(self, older_than: Optional[float] = None, max_size: Optional[int] = None, *,
               dry_run: bool = False, now: Optional[float] = None) -> PruneReport:
         """Remove entries unused for ``older_than`` seconds, then the least recently used ones until the
-        total is at most ``max_size`` bytes. Also removes temporaries and lock files of dead writers.
+        total is at most ``max_size`` bytes. Also removes temporaries and lock files of dead writers, and
+        temporaries no lock protects (``.tmpXXXXXX``) once older than :data:`FOREIGN_TMP_GRACE`.
 
-        An entry whose lock another process holds (it is being written) is never removed. Readwrite only.
+        An entry whose lock another process holds (it is being written) is never removed, nor is anything
+        that is not a regular file (reported in ``skipped``). Readwrite only.
         """
         self._require_writable("prune")
         now = time.time() if now is None else now
@@ -434,6 +580,9 @@ class EncodingCache:
         victims: list[CacheEntryInfo] = []
         keep: list[CacheEntryInfo] = []
         for e in entries:
+            if not e.regular:
+                report.skipped.append((e, f"{e.error}; remove it by hand"))
+                continue
             (victims if older_than is not None and now - e.mtime > older_than else keep).append(e)
         if max_size is not None:
             size_kept = sum(e.size for e in keep)
@@ -442,16 +591,16 @@ class EncodingCache:
                 victims.append(e)
                 size_kept -= e.size
         for e in victims:
-            if dry_run:
+            why = None if dry_run else self._remove_if_unlocked(e.path)
+            if why is None:
                 report.removed.append(e)
                 report.freed_bytes += e.size
-            elif self._remove_if_unlocked(e.path):
-                report.removed.append(e)
-                report.freed_bytes += e.size
-            else:
+            elif why == _IN_USE:
                 report.skipped_in_use.append(e)
+            else:
+                report.skipped.append((e, why))
         if not dry_run:
-            report.stale_files_removed = self._remove_stale_files()
+            report.stale_files_removed = self._remove_stale_files(now)
         report.remaining_bytes = total - report.freed_bytes
         report.remaining_entries = len(entries) - len(report.removed)
         return report
@@ -462,50 +611,78 @@ class EncodingCache:
                              f"mode; use mode readwrite (EXL3RT_CACHE_MODE=readwrite)")
 
     def _try_lock_now(self, entry: Path) -> Optional[filelock.BaseFileLock]:
-        """The entry's lock if nobody holds it right now, else None."""
-        lock = filelock.FileLock(str(self.lock_path(entry)), timeout=0)
+        """The entry's lock if nobody holds it right now, else None; :class:`_UnsafePath` if it cannot be
+        taken safely (a linked lock file, an unwritable directory)."""
+        lock = self._lock(entry, 0)
         try:
             lock.acquire()
         except filelock.Timeout:
             return None
+        except OSError as exc:
+            raise _UnsafePath(self.lock_path(entry), f"cannot be locked ({_oserror_text(exc)})") from None
         return lock
 
-    def _remove_if_unlocked(self, entry: Path) -> bool:
-        """Delete ``entry`` (and its lock file) unless another process holds its lock."""
-        lock = self._try_lock_now(entry)
-        if lock is None:
-            return False
+    def _remove_if_unlocked(self, entry: Path) -> Optional[str]:
+        """Delete the regular file ``entry`` (and its lock file) unless another process holds its lock.
+
+        None when removed, else why not (:data:`_IN_USE` when the lock is held).
+        """
         try:
+            lock = self._try_lock_now(entry)
+        except _UnsafePath as exc:
+            return f"its lock {exc.path} {exc.reason}"
+        if lock is None:
+            return _IN_USE
+        try:
+            try:
+                st = os.lstat(entry)
+            except FileNotFoundError:
+                return "already removed"
+            if not stat.S_ISREG(st.st_mode):  # replaced since it was listed
+                return f"now a {file_kind(st.st_mode)}; remove it by hand"
             removed = remove_quietly(entry)
             # Unlinking the lock file while holding it: a process already waiting on the old inode may then
             # run beside a newcomer; both publish atomically, so the worst case is one duplicated encode.
             remove_quietly(self.lock_path(entry))
-            return removed
+            return None if removed else "already removed"
         finally:
             lock.release()
 
-    def _remove_stale_files(self) -> int:
-        """Temporaries and lock files of entries nobody is writing (dead writers, failed encodes)."""
+    def _remove_stale_files(self, now: Optional[float] = None) -> int:
+        """Temporaries and lock files of entries nobody is writing (dead writers, failed encodes), and
+        temporaries no entry lock protects once older than :data:`FOREIGN_TMP_GRACE`."""
         removed = 0
-        if not self.entries_dir.is_dir():
-            return 0
-        for sub in self.entries_dir.iterdir():
-            if not sub.is_dir():
-                continue
-            for tmp in sub.glob(f".*{SUFFIX}.*{TMP_SUFFIX}"):
-                entry = sub / tmp.name[1:].split(SUFFIX, 1)[0]
-                entry = entry.with_name(entry.name + SUFFIX)
-                lock = self._try_lock_now(entry)
-                if lock is not None:
+        now = time.time() if now is None else now
+        for sub in self._fanout_dirs()[0]:
+            for tmp in temp_files(sub):
+                target = temp_target(tmp.name)
+                if target is not None and target.endswith(SUFFIX) and not target.startswith("."):
+                    try:  # ours: the entry's lock proves that no writer is live
+                        lock = self._try_lock_now(sub / target)
+                    except _UnsafePath:
+                        continue
+                    if lock is not None:
+                        try:
+                            removed += remove_quietly(tmp)
+                        finally:
+                            lock.release()
+                else:
                     try:
+                        old = now - os.lstat(tmp).st_mtime >= FOREIGN_TMP_GRACE
+                    except OSError:
+                        continue
+                    if old:
                         removed += remove_quietly(tmp)
-                    finally:
-                        lock.release()
-            for lk in sub.glob(f"*{SUFFIX}{LOCK_SUFFIX}"):
-                entry = lk.with_name(lk.name[: -len(LOCK_SUFFIX)])
-                if entry.exists():
+            for lk, st in self._scan(sub):
+                if not (lk.name.endswith(SUFFIX + LOCK_SUFFIX) and stat.S_ISREG(st.st_mode)):
                     continue
-                lock = self._try_lock_now(entry)
+                entry = lk.with_name(lk.name[: -len(LOCK_SUFFIX)])
+                if os.path.lexists(entry):
+                    continue
+                try:
+                    lock = self._try_lock_now(entry)
+                except _UnsafePath:
+                    continue
                 if lock is not None:
                     try:
                         removed += remove_quietly(lk)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterable, Union
 
 
 class UsageError(ValueError):
@@ -23,6 +24,72 @@ def int_at_least(low: int) -> Callable[[str], int]:
         return value
     parse.__name__ = f"integer >= {low}"
     return parse
+
+
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    """An integer in ``low..high`` (argparse ``type``)."""
+    at_least = int_at_least(low)
+
+    def parse(text: str) -> int:
+        value = at_least(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"{value} is too large: at most {high}")
+        return value
+    parse.__name__ = f"integer in {low}..{high}"
+    return parse
+
+
+def check_output_dir(path: str, option: str = "OUT") -> None:
+    """Refuse an output directory that exists as a file, or lies under one (one line, before any work)."""
+    p = Path(path).expanduser()
+    for q in (p, *p.parents):
+        if q.exists() or q.is_symlink():
+            if not q.is_dir():
+                what = "exists and is not a directory" if q == p else f"lies under {q}, which is not a directory"
+                raise UsageError(f"{option} {path}: {what}")
+            return
+
+
+#: ``--bits 16``: the unquantized model (generate, eval; quantize --head-bits: keep lm_head unquantized)
+UNQUANTIZED = 16
+
+
+def bits_type(*, unquantized: bool) -> Callable[[str], Union[int, float]]:
+    """A bitrate K (argparse ``type``): 1..8, or 1.5 / 2.5 / 3.5 (the rule of
+    :func:`exl3rt.format.bits.normalize_bits`), and 16 (:data:`UNQUANTIZED`) where ``unquantized``.
+
+    Returns an ``int`` for whole K. That half-integer K needs ``--codebook mul1`` is checked after
+    parsing (:func:`check_half_bits`), as it depends on another option.
+    """
+    from ..format.bits import normalize_bits
+    from ..format.errors import FormatError
+
+    allowed = "1..8, or 1.5, 2.5, 3.5 with --codebook mul1"
+    if unquantized:
+        allowed += f", or {UNQUANTIZED} (unquantized)"
+
+    def parse(text: str) -> Union[int, float]:
+        try:
+            if float(text) == UNQUANTIZED:
+                if unquantized:
+                    return UNQUANTIZED
+                raise argparse.ArgumentTypeError(
+                    f"{text} (unquantized) is not a bitrate this option takes: use {allowed}")
+        except ValueError:
+            pass
+        try:
+            return normalize_bits(text.strip())
+        except FormatError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a bitrate: use {allowed}") from None
+    parse.__name__ = "bitrate"
+    return parse
+
+
+def check_half_bits(option: str, values: Iterable[Union[int, float]], codebook: str) -> None:
+    """Refuse a half-integer K unless ``codebook`` is mul1 (one ``exl3rt: error:`` line, before anything loads)."""
+    for k in values:
+        if not float(k).is_integer() and codebook != "mul1":
+            raise UsageError(f"{option} {k:g}: half-integer bitrates need --codebook mul1 (got --codebook {codebook})")
 
 
 def readable_file(text: str) -> str:

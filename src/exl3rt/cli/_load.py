@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ..format.bits import is_half, normalize_bits
+from ..format.bits import normalize_bits
 from ..format.checkpoint import QUANT_METHOD
-from ..format.errors import FormatError
+from ._args import UsageError, check_half_bits
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -34,12 +34,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def check_bits(values: list[float], codebook: str) -> None:
-    """Refuse a bad ``--bits`` before anything loads (one clear line, not minutes of loading and then an error):
-    K in 1..8, or 1.5 / 2.5 / 3.5 with ``--codebook mul1``."""
-    for b in values:
-        k = normalize_bits(b, name="--bits")
-        if is_half(k) and codebook != "mul1":
-            raise FormatError(f"--bits {k:g}: half-integer bitrates need --codebook mul1 (got --codebook {codebook})")
+    """Refuse ``--bits`` that the codebook cannot take before anything loads (the values themselves were
+    checked by argparse, :func:`~exl3rt.cli._args.bits_type`): half-integer K needs ``--codebook mul1``."""
+    check_half_bits("--bits", values, codebook)
 
 
 def _quant_method(config_json: Path) -> Optional[str]:
@@ -52,26 +49,42 @@ def _quant_method(config_json: Path) -> Optional[str]:
     return str(qc.get("quant_method")) if isinstance(qc, dict) and qc.get("quant_method") else None
 
 
+def check_weights(path: Path) -> None:
+    """Read every safetensors header of the model directory (cheap: no tensor data), so that a truncated or
+    corrupt file, a broken index or a config.json that is not JSON is one error line before the load."""
+    from ..util.tensorfiles import TensorFiles
+
+    TensorFiles(path)
+
+
 def model_path(args: argparse.Namespace) -> tuple[Path, str]:
-    """(directory, display name)."""
+    """(directory, display name), checked as far as headers go; :class:`UsageError` or
+    :class:`~exl3rt.util.tensorfiles.TensorFileError` if it is not a loadable model directory."""
     if args.model:
         path = Path(args.model).expanduser()
+        if not path.exists():
+            raise UsageError(f"--model {path}: no such directory")
+        if not path.is_dir():
+            raise UsageError(f"--model {path}: not a directory; point --model at a Hugging Face model directory")
         if not (path / "config.json").is_file():
-            raise SystemExit(f"exl3rt: error: --model {path}: not a Hugging Face model directory (no config.json)")
+            raise UsageError(f"--model {path}: not a Hugging Face model directory (no config.json)")
         method = _quant_method(path / "config.json")
         if method is not None:
             hint = (" — already EXL3 (e.g. from `exl3rt quantize`): serve it with vLLM (README, docs/vllm.md)"
                     if method == QUANT_METHOD else "")
-            raise SystemExit(f"exl3rt: error: --model {path}: a quantized checkpoint (quant_method {method!r}){hint}; "
+            raise UsageError(f"--model {path}: a quantized checkpoint (quant_method {method!r}){hint}; "
                              f"this command quantizes an unquantized (BF16/FP16/FP32) model as it loads: point "
                              f"--model at the original")
+        check_weights(path)
         return path, path.name
     from ..models import SMOLLM2_NAME, smollm2_bf16_dir
     from ..models.smollm2 import ModelSourceError
     try:
-        return smollm2_bf16_dir(quiet=args.quiet), SMOLLM2_NAME
+        path = smollm2_bf16_dir(quiet=args.quiet)
     except ModelSourceError as exc:
-        raise SystemExit(f"exl3rt: error: {exc}") from None
+        raise UsageError(str(exc)) from None
+    check_weights(path)
+    return path, SMOLLM2_NAME
 
 
 @dataclasses.dataclass
@@ -87,20 +100,72 @@ def _dtype(args: argparse.Namespace, torch: Any) -> Any:
     return "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
 
 
+#: what transformers raises for a model directory it cannot use (a config without model_type, an unknown
+#: architecture, no tokenizer files, ...): reported as one line naming the directory
+_HF_REFUSALS = (ValueError, OSError, KeyError, TypeError)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def _shape_mismatches(path: Path, config: Any) -> list[str]:
+    """Checkpoint tensors whose shapes differ from the model that ``config`` builds (on meta: no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..util.tensorfiles import TensorFiles
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    want = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    files = TensorFiles(path)
+    return [f"{n} is {list(files.info(n).shape)} in the checkpoint, {list(want[n])} by config.json"
+            for n in files.names() if n in want and tuple(files.info(n).shape) != want[n]]
+
+
+def _from_pretrained(path: Path, config: Any, **kwargs: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+    except RuntimeError as exc:
+        if str(exc).startswith("exl3rt: "):   # the integration's own account (e.g. selected weights missing)
+            raise UsageError(f"--model {path}: {str(exc)[len('exl3rt: '):]}") from None
+        if "mismatched" not in str(exc):
+            raise
+        try:
+            bad = _shape_mismatches(path, config)
+        except Exception:                    # only a diagnosis: if it fails, transformers' error stands
+            bad = []
+        if not bad:
+            raise
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise UsageError(f"--model {path}: the checkpoint does not match its config.json: {bad[0]}{more}") from None
+
+
 def load(args: argparse.Namespace, path: Path, bits: Optional[float]) -> Loaded:
     """Load ``path`` unquantized (``bits`` None) or online-quantized at ``bits`` through the cache."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()   # exl3rt shows its own bar (with ETA) for the long part
-    tok = AutoTokenizer.from_pretrained(str(path))
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except _HF_REFUSALS as exc:
+        raise UsageError(f"--model {path}: transformers cannot use its config.json: {_first_line(exc)}") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except _HF_REFUSALS as exc:
+        raise UsageError(f"--model {path}: no usable tokenizer: {_first_line(exc)}") from None
     kwargs: dict[str, Any] = {"dtype": _dtype(args, torch)}
     if args.device != "cpu":
         kwargs["device_map"] = args.device
     t0 = time.perf_counter()
     if bits is None:
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs).eval()
+        model = _from_pretrained(path, config, **kwargs)
         return Loaded(model, tok, time.perf_counter() - t0, None, {})
     from ..integrations.transformers import refusals_raised
     from ..runtime.config import Exl3Config
@@ -111,7 +176,7 @@ def load(args: argparse.Namespace, path: Path, bits: Optional[float]) -> Loaded:
     hf_logging.set_verbosity_error()    # a failed load's report would bury the line that says what is wrong
     try:
         with refusals_raised():         # a weight the encoder refused (e.g. NaN): that error, in one line
-            model = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=cfg, **kwargs).eval()
+            model = _from_pretrained(path, config, quantization_config=cfg, **kwargs)
     finally:
         hf_logging.set_verbosity(verbosity)
     seconds = time.perf_counter() - t0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import re
 import sys
 from typing import Any, Optional
@@ -29,7 +30,9 @@ examples:
   exl3rt cache prune --max-size 20G       drop least recently used entries until <= 20 GB
   exl3rt cache prune --max-size 0 --dry-run    show what clearing the cache would remove
 
-prune and verify --delete-invalid never remove an entry that another process is writing.
+prune and verify --delete-invalid never remove an entry that another process is writing, and never
+remove (or follow) anything below the root that is not a regular file: a directory, link or FIFO named
+like an entry is reported and left for you to remove.
 """
 
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
@@ -42,7 +45,10 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT][iI]?)?[bB]?\s*", text or "")
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 500M, 20G, 1.5GiB or a byte count")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    value = float(m.group(1)) * _UNITS[(m.group(2) or "").upper()]
+    if not math.isfinite(value) or value > 2**63:
+        raise argparse.ArgumentTypeError(f"{text!r} is too large a size")
+    return int(value)
 
 
 def parse_age(text: str) -> float:
@@ -85,7 +91,10 @@ def add_parser(sub: Any) -> None:
 
 def _cache(args: argparse.Namespace) -> EncodingCache:
     # The CLI administers the directory explicitly; EXL3RT_CACHE_MODE governs model loading, not this.
-    return EncodingCache(resolve_root(getattr(args, "root", None)), CacheMode.READWRITE)
+    root = resolve_root(getattr(args, "root", None))
+    if root.exists() and not root.is_dir():
+        raise CacheError(f"{root}: not a directory; --root (or EXL3RT_CACHE_DIR) names the cache's folder")
+    return EncodingCache(root, CacheMode.READWRITE)
 
 
 def _fmt_age(seconds: float) -> str:
@@ -128,7 +137,7 @@ def _run_ls(args: argparse.Namespace) -> int:
     print(f"{'digest':<16}  {'size':>10}  {'unused':>7}  {'proxy_err':>9}  key")
     for e in entries:
         err = f"{e.proxy_err:.3g}" if e.proxy_err is not None else "-"
-        what = f"UNREADABLE: {e.error}" if e.error else _describe_key(e.key)
+        what = f"BAD: {e.error}" if e.error else _describe_key(e.key)
         print(f"{e.digest[:16]:<16}  {fmt_bytes(e.size, 1):>10}  {_fmt_age(now - e.mtime):>7}  {err:>9}  {what}")
     print(f"{len(entries)} entries, {fmt_bytes(sum(e.size for e in entries), 1)} in {cache.root}")
     return 0
@@ -144,8 +153,13 @@ def _run_stats(args: argparse.Namespace) -> int:
     print(f"entries          {s['entries']}")
     print(f"size             {fmt_bytes(s['bytes'], 1)} ({s['bytes']:,} bytes)")
     print(f"bad headers      {s['unreadable_headers']}  (run `exl3rt cache verify`)")
+    if s["not_regular_files"]:
+        print(f"not files        {s['not_regular_files']}  (directories, links … named like entries: remove by hand)")
     print(f"temporary files  {s['temporary_files']}  (in-flight or left by killed writers: `exl3rt cache prune`)")
     print(f"lock files       {s['lock_files']}")
+    if s["links_not_followed"]:
+        print(f"links skipped    {s['links_not_followed']}  (links or files where cache directories belong: "
+              f"not followed; remove them)")
     return 0
 
 
@@ -154,7 +168,7 @@ def _run_verify(args: argparse.Namespace) -> int:
     results = _cache(args).verify(delete_invalid=args.delete_invalid)
     bad = [r for r in results if not r.ok]
     for r in bad:
-        action = " (deleted)" if r.deleted else " (in use, kept)" if args.delete_invalid else ""
+        action = " (deleted)" if r.deleted else f" (kept: {r.kept})" if args.delete_invalid else ""
         print(f"INVALID {r.info.path}: {r.reason}{action}")
     print(f"{len(results) - len(bad)} of {len(results)} entries valid")
     if bad and not args.delete_invalid:
@@ -170,6 +184,8 @@ def _run_prune(args: argparse.Namespace) -> int:
         print(f"{verb} {e.path} ({fmt_bytes(e.size, 1)})")
     for e in rep.skipped_in_use:
         print(f"kept {e.path}: being written by another process")
+    for e, why in rep.skipped:
+        print(f"kept {e.path}: {why}")
     print(f"{verb} {len(rep.removed)} entries ({fmt_bytes(rep.freed_bytes, 1)}); {rep.remaining_entries} remain "
           f"({fmt_bytes(rep.remaining_bytes, 1)})"
           + (f"; removed {rep.stale_files_removed} stale temporary/lock files" if rep.stale_files_removed else ""))

@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any
 
-from ._args import check_device, int_at_least, readable_file
+from ._args import UNQUANTIZED, UsageError, bits_type, check_device, int_at_least, readable_file
 from ._load import add_model_args, check_bits, describe_load, load, model_path
 
 HELP = "perplexity on a bundled text: the unquantized model and each EXL3 bitrate side by side"
@@ -28,7 +28,9 @@ examples:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("eval", help=HELP, description=DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bits", type=float, nargs="+", default=[2, 3, 4, 6], help="bitrates to score (default 2 3 4 6)")
+    p.add_argument("--bits", type=bits_type(unquantized=True), nargs="+", default=[2, 3, 4, 6],
+                   help="bitrates to score: 1..8, 1.5/2.5/3.5 with --codebook mul1; 16 = the unquantized model "
+                        "(default 2 3 4 6)")
     p.add_argument("--text", metavar="FILE", type=readable_file, help="text file to score (default: the bundled text)")
     p.add_argument("--ctx", type=int_at_least(2), default=512, help="window length in tokens (default 512)")
     p.add_argument("--max-tokens", type=int_at_least(2), help="score only the first N tokens")
@@ -38,17 +40,30 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
+def _read_text(path: str) -> str:
+    """The --text file as UTF-8; empty, whitespace-only or undecodable text is one error line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--text {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not text.strip():
+        raise UsageError(f"--text {path}: the file holds no text to score")
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
     from ..evaluation import perplexity
 
-    check_bits(args.bits, args.codebook)
+    quantized = [b for b in dict.fromkeys(args.bits) if b != UNQUANTIZED]
+    check_bits(quantized, args.codebook)
     check_device(args.device)
-    path, name = model_path(args)
     text = None
     if args.text:
-        with open(args.text, encoding="utf-8") as f:
-            text = f.read()
-    runs: list[Any] = ([] if args.no_baseline else [None]) + [b for b in args.bits]
+        text = _read_text(args.text)
+    path, name = model_path(args)
+    baseline = not args.no_baseline or UNQUANTIZED in args.bits
+    runs: list[Any] = ([None] if baseline else []) + quantized
     rows: list[dict[str, Any]] = []
     base_ppl = None
     for bits in runs:
@@ -58,7 +73,10 @@ def run(args: argparse.Namespace) -> int:
         ld = load(args, path, bits)
         if not args.json:
             print(f"exl3rt: {describe_load(ld)}", flush=True)
-        r = perplexity(ld.model, ld.tokenizer, text, ctx=args.ctx, max_tokens=args.max_tokens)
+        try:
+            r = perplexity(ld.model, ld.tokenizer, text, ctx=args.ctx, max_tokens=args.max_tokens)
+        except ValueError as exc:          # e.g. a text of fewer than 2 tokens
+            raise UsageError(f"{f'--text {args.text}' if args.text else 'the bundled text'}: {exc}") from None
         if bits is None:
             base_ppl = r.ppl
         rows.append({"model": name, "bits": bits, "codebook": None if bits is None else args.codebook,

@@ -11,6 +11,7 @@ import torch
 from ..format.bits import Bits
 from ..format.checkpoint_write import CheckpointWriter
 from ..format.random import random_linear
+from ._args import check_output_dir, int_between
 
 HELP = "write a small random EXL3 checkpoint (Llama-shaped, mixed bitrates) for trying the tools"
 
@@ -63,12 +64,13 @@ def add_parser(sub: Any) -> None:
                        "but every tensor has the exact EXL3 layout: inspect it, load it, benchmark with it.",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="output directory (created; must not already hold .safetensors files)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--seed", type=int_between(0, 2**32 - 1), default=0, help="random seed (default 0)")
     p.add_argument("--overwrite", action="store_true", help="write into a directory that already holds a checkpoint")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_dir(args.out)
     out = write_example_checkpoint(args.out, seed=args.seed, overwrite=args.overwrite)
     print(f"wrote example EXL3 checkpoint to {out}  (next: exl3rt inspect {out})")
     return 0

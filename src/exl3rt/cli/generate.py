@@ -6,7 +6,7 @@ import argparse
 import time
 from typing import Any
 
-from ._args import check_device, int_at_least
+from ._args import UNQUANTIZED, UsageError, bits_type, check_device, int_at_least
 from ._load import add_model_args, check_bits, describe_load, load, model_path
 
 HELP = "load a model quantized on the fly to EXL3 (through the encoding cache) and generate text"
@@ -36,7 +36,7 @@ DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help=HELP, description=DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bits", type=float, default=4,
+    p.add_argument("--bits", type=bits_type(unquantized=True), default=4,
                    help="bits per weight K: 1..8, 1.5/2.5/3.5 with --codebook mul1; 16 = unquantized (default 4)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"prompt (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=48, help="tokens to generate (default 48)")
@@ -56,9 +56,11 @@ def _input_ids(tok: Any, prompt: str, raw: bool) -> Any:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    bits = None if args.bits >= 16 else args.bits
+    bits = None if args.bits == UNQUANTIZED else args.bits
     if bits is not None:
         check_bits([bits], args.codebook)
+    if not args.prompt.strip():
+        raise UsageError("--prompt is empty; give the model something to continue")
     check_device(args.device)
     path, name = model_path(args)
     what = "unquantized" if bits is None else f"EXL3 K={bits:g} {args.codebook}"

@@ -11,6 +11,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from safetensors import SafetensorError  # a corrupt file met past the header checks (e.g. inside transformers)
+
 from .. import __version__, env
 from ..cache.errors import CacheError
 from ..encode.errors import EncodeError
@@ -46,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(exc: BaseException) -> str:
+    """The error's message on one line (some libraries' messages span several)."""
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -57,8 +65,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         status = int(args.run(args) or 0)
         sys.stdout.flush()                # a closed pipe shows here rather than in the interpreter's exit
         return status
-    except (FormatError, EncodeError, TensorFileError, env.EnvError, CacheError, Exl3ConfigError, UsageError) as exc:
-        print(f"exl3rt: error: {exc}", file=sys.stderr)
+    except (FormatError, EncodeError, TensorFileError, env.EnvError, CacheError, Exl3ConfigError, UsageError,
+            SafetensorError) as exc:
+        print(f"exl3rt: error: {_one_line(exc)}", file=sys.stderr)
         return 1
     except BrokenPipeError:
         # the reader went away (``exl3rt inspect ... | head``): stop quietly, as a tool killed by SIGPIPE would
@@ -66,7 +75,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except OSError as exc:                # a file or folder the command cannot read or write: say which, in one line
-        print(f"exl3rt: error: {exc}", file=sys.stderr)
+        print(f"exl3rt: error: {_one_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:      # Ctrl-C: one line (with what the command kept, if it says), status 130
         notes = getattr(exc, "__notes__", None) or []

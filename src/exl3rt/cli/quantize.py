@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ._args import check_device, int_at_least, readable_file
+from ._args import bits_type, check_device, check_half_bits, check_output_dir, int_at_least, readable_file
 
 HELP = "convert a Hugging Face safetensors checkpoint to an EXL3 checkpoint"
 
@@ -34,9 +34,11 @@ def add_parser(sub: Any) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="Hugging Face model directory (config.json + *.safetensors)")
     p.add_argument("out", help="output directory for the EXL3 checkpoint")
-    p.add_argument("--bits", type=float, default=4, help="bits per weight K: 1..8, or 1.5/2.5/3.5 with mul1 (default 4)")
+    p.add_argument("--bits", type=bits_type(unquantized=False), default=4,
+                   help="bits per weight K: 1..8, or 1.5/2.5/3.5 with mul1 (default 4)")
     p.add_argument("--codebook", default="mcg", choices=("mcg", "mul1", "3inst"), help="codebook (default mcg)")
-    p.add_argument("--head-bits", type=float, default=6, help="lm_head bits; 16 keeps it unquantized (default 6)")
+    p.add_argument("--head-bits", type=bits_type(unquantized=True), default=6,
+                   help="lm_head bits (as --bits); 16 keeps it unquantized (default 6)")
     p.add_argument("--bits-for", action="append", default=[], metavar="PATTERN=K",
                    help="per-module K by shell pattern on the module name, e.g. '*.down_proj=5' (repeatable)")
     p.add_argument("--keep", action="append", default=[], metavar="PATTERN",
@@ -63,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     from ..convert import convert_checkpoint
     from ..convert.plan import parse_overrides
 
+    check_half_bits("--bits", [args.bits], args.codebook)
+    check_half_bits("--head-bits", [args.head_bits], args.codebook)
+    check_output_dir(args.out)
     check_device(args.device)
     hessians, calib_id = None, None
     if args.calibrate:

@@ -58,13 +58,58 @@ def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 
 def proxy_error(w: torch.Tensor, wq: torch.Tensor, h: Optional[torch.Tensor] = None) -> float:
-    """``tr(Eᵀ H E) / tr(Wᵀ H W)`` with E = W − Wq (``[in, out]``); relative MSE when ``h`` is None."""
+    """``tr(Eᵀ H E) / tr(Wᵀ H W)`` with E = W − Wq (``[in, out]``); relative MSE when ``h`` is None.
+
+    Computed in float64. A weight with no energy (all zero) has relative error 0 when the
+    reconstruction is exact too (E = 0), and ``inf`` otherwise (any error is infinitely large
+    relative to nothing).
+    """
     e = (w - wq).double()
     w = w.double()
     if h is None:
-        return float(e.square().sum() / w.square().sum())
-    h = h.double()
-    return float((e * (h @ e)).sum() / (w * (h @ w)).sum())
+        num, den = e.square().sum(), w.square().sum()
+    else:
+        h = h.double()
+        num, den = (e * (h @ e)).sum(), (w * (h @ w)).sum()
+    if float(den) == 0.0:
+        return 0.0 if float(num) == 0.0 else float("inf")
+    return float(num / den)
+
+
+#: g is never below 1/40 (the lowest point of the search grid), so |su / g| <= 64·|su|
+_MAX_INV_G = 64.0
+
+
+def _scales_vanish(reg) -> bool:
+    """True when every fp16 output scale, or every fp16 input scale for any g, rounds to zero (checked
+    before the g search, which has nothing to measure then; the exact check on su / g follows it)."""
+    return not bool(reg.sv.half().any()) or not bool((reg.su * _MAX_INV_G).half().any())
+
+
+def _zero_encoding(weight: torch.Tensor, w: torch.Tensor, su: torch.Tensor, sv: torch.Tensor, g: float, bits: Bits,
+                   codebook: str, h_damped: Optional[torch.Tensor], seed: int, name: str, encode, backend: str,
+                   t0: float, progress: Optional[Callable[[int], None]]) -> EncodedLinear:
+    """All-zero codes and the vanishing scales: the reconstruction is exactly 0.
+
+    Its proxy error is that of the zero reconstruction: 0 for an all-zero weight, 1 (all of it lost) for
+    one too small for fp16 scales to represent.
+    """
+    in_p, out_p = w.shape
+    states = torch.zeros((in_p // 16, out_p // 16, 256), dtype=torch.int16, device=w.device)
+    if progress:
+        progress(states.shape[0] * states.shape[1])
+    err = proxy_error(w, torch.zeros_like(w), h_damped)
+    result = EncodedLinear(
+        trellis=pack_states(states, bits), suh=su.to(torch.float16), svh=sv.to(torch.float16),
+        codebook=codebook, in_features=weight.shape[0], out_features=weight.shape[1], name=name,
+    )
+    result.info = {
+        "proxy_err": err, "g_scale": g, "seed": int(seed), "backend": getattr(encode, "backend", backend),
+        "calibrated": h_damped is not None, "seconds": time.perf_counter() - t0, "encoder_version": ENCODER_VERSION,
+    }
+    if err:
+        log.info("%s: weight too small for fp16 scales; encoded as zero", name or "weight")
+    return result
 
 
 def quantize_weight(weight: torch.Tensor, bits: Bits, codebook: str = "mcg", hessian: Optional[torch.Tensor] = None,
@@ -77,6 +122,13 @@ def quantize_weight(weight: torch.Tensor, bits: Bits, codebook: str = "mcg", hes
     feedback and the scale refit. Without it every tile is encoded on its own (the online path).
     Widths that are not multiples of 128 are zero-padded (recorded as logical widths in the result).
     ``progress(n)`` is called as tiles finish (``(in_p/16)·(out_p/16)`` in all).
+
+    A weight that fp16 scales cannot carry (all zero, or every row or column scale below fp16's
+    smallest value: magnitudes below ~1e-8) gets all-zero codes and its vanishing scales (``svh = 0``
+    for all-zero columns); its reconstruction is exactly 0, and ``info["proxy_err"]`` is that of
+    the zero reconstruction: 0 for an all-zero weight, 1 for a tiny nonzero one. All-zero rows or
+    columns of an otherwise ordinary weight take the ordinary path. A weight too large for fp16
+    scales raises :class:`EncodeError`.
     """
     t0 = time.perf_counter()
     _check_weight(weight, name)
@@ -108,11 +160,21 @@ def quantize_weight(weight: torch.Tensor, bits: Bits, codebook: str = "mcg", hes
 
     encode = get_tile_encoder(backend, device, bits)
     reg = regularize(w, su_sign, sv_sign, out_scales=out_scales)
+    if _scales_vanish(reg):
+        # the reconstruction is exactly zero whatever the codes: nothing to search or encode
+        return _zero_encoding(weight, w, reg.su, reg.sv, 1.0, bits, codebook, h_damped, seed, name, encode, backend,
+                              t0, progress)
     drift = DRIFT.get(bits, 1.0) if calibrated else 1.0
     g = search_global_scale(encode, sample_tiles(reg.w), bits, codebook, drift=drift)
     w_r = reg.w * g
     su = reg.su / g
     sv = reg.sv
+    if not bool(su.half().any()):
+        return _zero_encoding(weight, w, su, sv, g, bits, codebook, h_damped, seed, name, encode, backend, t0,
+                              progress)
+    if not bool(torch.isfinite(su.half()).all()):
+        raise EncodeError(f"{name or 'weight'}: input-channel scales up to {float(su.abs().max()):.3g} exceed fp16's "
+                          f"range (65504): the weight (max |w| {float(weight.abs().max()):.3g}) is too large for EXL3")
 
     if calibrated:
         feedback = block_ldl_feedback(rotate(h_damped, su_sign), sigma_reg, name=name)

@@ -166,6 +166,9 @@ def search_global_scale(encode: TileEncoder, samples: torch.Tensor, bits, codebo
     minimum instead of at the grid's end (the walk only goes there when it is downhill); the
     fine point at the coarse best reuses the coarse samples' errors; Q's error is the open-path
     estimate of :class:`_TileErrors` where the backend has one.
+
+    Samples without energy have no minimum (Q(0) ≠ 0, so the error only falls as g grows):
+    quantize_weight does not search for a weight whose fp16 scales vanish (e.g. all zero).
     """
     t = samples * drift
     errs = _TileErrors(encode, t, bits, codebook)

@@ -6,7 +6,6 @@ Only headers are read at open; each tensor is memory-mapped and read on request.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -15,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from .names import file_name_problem
+from .safejson import loads_bounded
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -48,11 +48,19 @@ class TensorInfo:
         return self.numel * _DTYPE_BYTES.get(self.dtype, 0)
 
 
+#: a model's config.json or weight index: far below these in practice (an index of 100k tensors is ~10 MB)
+MAX_JSON_BYTES = 64 << 20
+MAX_JSON_DEPTH = 64
+
+
 def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a model directory, size and nesting bounded (a crafted file is an error, not a
+    RecursionError)."""
+    with open(path, "rb") as f:
+        raw = f.read(MAX_JSON_BYTES + 1)
     try:
-        with open(path, encoding="utf8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as exc:
+        data = loads_bounded(raw, max_bytes=MAX_JSON_BYTES, max_depth=MAX_JSON_DEPTH, strict=False)
+    except ValueError as exc:
         raise TensorFileError(f"{path}: invalid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise TensorFileError(f"{path}: expected a JSON object")
