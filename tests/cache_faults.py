@@ -114,7 +114,10 @@ def concurrent_writers(root: Path, *, runs: int, writers: int, keys: int, kill_f
         deadline = time.monotonic() + rnd.random() * slow * keys
         for w in sorted(victims):
             time.sleep(max(0.0, deadline - time.monotonic()) * rnd.random())
-            os.kill(procs[w].pid, signal.SIGKILL)
+            try:
+                os.kill(procs[w].pid, signal.SIGKILL)
+            except ProcessLookupError:   # it finished first
+                pass
         for w, p in enumerate(procs):
             p.join(300)
             rep.writers += 1
