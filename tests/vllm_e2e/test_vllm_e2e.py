@@ -58,6 +58,9 @@ def bf16_llama(tmp_path_factory) -> Path:
 
 
 def test_online_exl3_matches_transformers_and_hits_cache(bf16_llama, tmp_path):
+    """BF16 serving encodes once and hits the cache after; the token-for-token check against the transformers
+    path is in float32: in bf16 vLLM's CPU kernels and transformers' matmuls round differently, and on this tiny
+    random model the greedy tokens part after ~10 steps on some CPUs (AVX2 without AVX512-BF16), whatever the codes."""
     import exl3rt
 
     cache = tmp_path / "cache"
@@ -76,10 +79,15 @@ def test_online_exl3_matches_transformers_and_hits_cache(bf16_llama, tmp_path):
 
     # exl3rt's transformers path on the same cache: the keys are the same, so it encodes nothing
     cfg = exl3rt.Exl3Config(bits=BITS, cache_dir=str(cache), progress=False)
-    hf_tokens, summary = _hf_tokens(bf16_llama, cfg)
+    _, summary = _hf_tokens(bf16_llama, cfg)
+    assert summary["misses"] == 0 and summary["hits"] == 14
+
+    f32 = _serve(bf16_llama, cache, tmp_path / "r3.json", "--bits", str(BITS), "--dtype", "float32")
+    assert f32["summary"]["online"]["misses"] == 14      # float32 source weights: their own keys
+    hf_tokens, summary = _hf_tokens(bf16_llama, cfg, dtype=torch.float32)
     assert summary["misses"] == 0 and summary["hits"] == 14
     assert len({t for seq in hf_tokens for t in seq}) >= 4, f"degenerate continuation {hf_tokens}: not a useful check"
-    assert first["tokens"] == hf_tokens
+    assert f32["tokens"] == hf_tokens
 
 
 def test_online_exl3_under_vllm_torch_compile(bf16_llama, tmp_path):
@@ -122,14 +130,15 @@ def test_prequantized_checkpoint_matches_transformers(bf16_llama, tmp_path):
     convert_checkpoint(bf16_llama, ckpt, bits=BITS, head_bits=16, progress=False)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(bf16_llama / f, ckpt / f)
-    got = _serve(ckpt, tmp_path / "unused-cache", tmp_path / "r.json")
+    # float32: token for token with transformers on any CPU (bf16 kernels differ, see the online test)
+    got = _serve(ckpt, tmp_path / "unused-cache", tmp_path / "r.json", "--dtype", "float32")
     assert got["summary"]["mode"] == "checkpoint"
     assert len(got["linears"]) == 8
     assert all(v.startswith("Exl3CheckpointLinearMethod:") for v in got["linears"].values()), got["linears"]
     assert not (tmp_path / "unused-cache").exists()  # nothing encoded, no cache touched
 
     # truth: transformers with exl3rt's Exl3Linear built from the stored codes
-    model = AutoModelForCausalLM.from_pretrained(str(bf16_llama), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(str(bf16_llama), dtype=torch.float32)
     assert _swap_in_checkpoint(model, ckpt) == 14
     want = []
     for p in PROMPTS:
