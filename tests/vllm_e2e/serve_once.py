@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -68,6 +69,18 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
+    # every decode of a whole weight while vLLM generates (none once the weights are prepared at load)
+    import exl3rt.kernels.ops as ops
+    import exl3rt.runtime.linear as linear_mod
+    decodes = {"n": 0, "counting": False}
+    for mod in (ops, linear_mod):
+        real = mod.reconstruct
+
+        def counted(*a, _real=real, **k):
+            decodes["n"] += decodes["counting"]
+            return _real(*a, **k)
+        mod.reconstruct = counted
+
     kw = {}
     if args.bits is not None:
         bits = int(args.bits) if float(args.bits).is_integer() else args.bits
@@ -75,11 +88,16 @@ def main() -> None:
     llm = LLM(model=args.model, quantization="exl3", dtype=args.dtype, enforce_eager=not args.compile, max_model_len=128,
               skip_tokenizer_init=False, seed=0, **kw)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    decodes["counting"] = True
+    t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp)
+    seconds = time.perf_counter() - t0
+    decodes["counting"] = False
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     info = llm.apply_model(_inspect)[0]
     with open(args.out, "w") as f:
-        json.dump({"tokens": tokens, **info}, f, indent=1, default=str)
+        json.dump({"tokens": tokens, "decodes_while_generating": decodes["n"], "generate_seconds": seconds, **info},
+                  f, indent=1, default=str)
 
 
 if __name__ == "__main__":

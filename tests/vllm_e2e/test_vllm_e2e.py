@@ -71,6 +71,7 @@ def test_online_exl3_matches_transformers_and_hits_cache(bf16_llama, tmp_path):
     assert len(names) == 7 * 2 and "model.layers.0.self_attn.k_proj" in names
     online = first["summary"]["online"]
     assert (online["misses"], online["hits"]) == (14, 0)
+    assert first["decodes_while_generating"] == 0     # decoded once, at load
     assert len(list((cache / "v1").rglob("*.safetensors"))) == 14
 
     second = _serve(bf16_llama, cache, tmp_path / "r2.json", "--bits", str(BITS))
@@ -100,6 +101,8 @@ def test_online_exl3_under_vllm_torch_compile(bf16_llama, tmp_path):
     cache = tmp_path / "cache"
     got = _serve(bf16_llama, cache, tmp_path / "c.json", "--bits", str(BITS), "--dtype", "float32", "--compile")
     assert got["linears"] and all(v.startswith("Exl3OnlineLinearMethod:") for v in got["linears"].values())
+    # the weights were decoded at load (process_weights_after_loading), none in the compiled graph
+    assert got["decodes_while_generating"] == 0
     cfg = exl3rt.Exl3Config(bits=BITS, cache_dir=str(cache), progress=False)
     hf_tokens, summary = _hf_tokens(bf16_llama, cfg, dtype=torch.float32)
     assert summary["misses"] == 0 and summary["hits"] == 14

@@ -1,8 +1,21 @@
-"""Triton kernels for EXL3 linears (issue 5): ``gemv.py`` (the decode, FFMA GEMV, decode to fp16),
-``mma.py`` (warp-level tensor-core GEMV), ``hadamard.py`` (rotations) and ``linear.py`` (dispatch)."""
+"""Triton kernels for EXL3 linears: ``gemv.py`` (the decode, FFMA GEMV, decode to fp16), ``mma.py`` (warp-level
+tensor-core GEMV), ``wgmma.py`` (Hopper GEMM), ``hadamard.py`` (rotations), ``linear.py`` (dispatch) and
+``ops.py`` (the ``torch.ops.exl3rt.*`` custom ops the modules call).
 
-from .linear import (DecodeConfig, GemvConfig, GEMV_DISPATCH_ROWS, GEMV_MAX_ROWS, MMA_MAX_ROWS, MmaConfig, choose_path,
-                     decode_fp16, exl3_linear, gemv_rotated, interpreting, mma_rotated, prewarm, specialization)
+The names below load ``linear.py`` (and Triton) on first use, so that registering the custom ops stays light.
+"""
+
+_LINEAR = ("DecodeConfig", "GemvConfig", "GEMV_DISPATCH_ROWS", "GEMV_MAX_ROWS", "MMA_MAX_ROWS", "MmaConfig",
+           "choose_path", "decode_fp16", "exl3_linear", "gemv_rotated", "interpreting", "mma_rotated", "prewarm",
+           "specialization")
+
+
+def __getattr__(name: str):
+    if name in _LINEAR:
+        from . import linear
+        return getattr(linear, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["exl3_linear", "gemv_rotated", "mma_rotated", "decode_fp16", "prewarm", "specialization", "choose_path",
            "GemvConfig", "MmaConfig", "DecodeConfig", "GEMV_MAX_ROWS", "GEMV_DISPATCH_ROWS", "MMA_MAX_ROWS",

@@ -35,6 +35,7 @@ import torch
 from .plan import (BlockPolicy, DeviceFacts, LayerGeometry, MoESettings, Plan, PlanError, PlanPolicy,
                    auto_prefill_block_m, query_device_facts, resolve_policy)
 from .routing import ID_DTYPES, RoutePack
+from .op import register as register_moe_layer
 from .tiers import TierLayout, TierRotations
 
 log = logging.getLogger("exl3rt.moe")
@@ -238,7 +239,8 @@ class MoELayerRuntime:
     """One MoE layer: tiers + weights, plan policy (resolved once) and bindings to shared launches.
 
     ``weights`` is whatever the launches bind (the reference launch takes one callable per global
-    expert). ``forward(x [m, H], topk_ids [m, k] int32|int64, topk_weights [m, k]) -> [m, H]``.
+    expert). ``layer(x [m, H], topk_ids [m, k] int32|int64, topk_weights [m, k]) -> [m, H]`` is one
+    ``torch.ops.exl3rt.moe`` call (:mod:`exl3rt.moe.op`), which runs :meth:`forward`.
     """
 
     def __init__(self, name: str, layout: TierLayout, weights: Any, *, hidden: int, intermediate: int,
@@ -263,6 +265,7 @@ class MoELayerRuntime:
         self.device: Optional[torch.device] = None
         self.x_dtype: Optional[torch.dtype] = None
         self._bound: dict[torch.dtype, _Bound] = {}
+        self.handle = register_moe_layer(self)
 
     @property
     def planned(self) -> bool:
@@ -332,7 +335,10 @@ class MoELayerRuntime:
                                            topk_weights[rows], out[rows])
         return out
 
-    __call__ = forward
+    moe_forward = forward
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return torch.ops.exl3rt.moe(x, topk_ids, topk_weights, self.handle)
 
     def __repr__(self) -> str:
         return f"MoELayerRuntime({self.name}, {self.layout!r}, planned={self.planned})"

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from ..moe.op import register as register_moe_layer
 from .policy import ExpertLayout
 
 
@@ -58,6 +59,7 @@ class Exl3Experts(nn.Module):
         self.act_fn = act_fn
         self.name = name
         self._gate_fn = apply_gate or _default_apply_gate
+        self._moe_handle = register_moe_layer(self)   # what torch.ops.exl3rt.moe calls this layer by
         for key, value in (attrs or {}).items():  # plain attributes a custom _apply_gate may read (alpha, limit…)
             if not hasattr(self, key):
                 setattr(self, key, value)
@@ -119,6 +121,16 @@ class Exl3Experts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """``[tokens, H]`` (any leading shape) -> the same: one ``torch.ops.exl3rt.moe`` call running
+        :meth:`moe_forward` (the loop over the routed experts is data-dependent: a compiler must not trace it)."""
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        y = torch.ops.exl3rt.moe(x, top_k_index.reshape(x.shape[0], -1), top_k_weights.reshape(x.shape[0], -1),
+                                 self._moe_handle)
+        return y.reshape(hidden_states.shape)
+
+    def moe_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The loop: each routed expert on its tokens, weighted, added up (``[tokens, H]``, ``[tokens, k]``)."""
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)

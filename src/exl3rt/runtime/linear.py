@@ -9,19 +9,20 @@ Buffers (persistent, so they load and move like weights)::
     svh      fp16  [out_p]
     bias     Parameter [out_features] in the model dtype, or None
 
-Forward paths:
+Forward: one custom op, ``torch.ops.exl3rt.linear`` (:mod:`exl3rt.kernels.ops`), so torch.compile, CUDA
+graphs and vLLM see one opaque node per layer; then the bias.
 
 - **CPU (reference path)**: ``W = format.reconstruct(...)`` trimmed to ``[in, out]``, cast to the
   activation dtype, then ``x @ W``. Trimming W equals zero-padding x to ``in_p`` and trimming y.
-- **CUDA**: :meth:`Exl3Linear._kernel_forward` receives ``x`` zero-padded to ``in_p`` (2-D
-  ``[rows, in_p]``) and returns ``[rows, out_p]``; the caller trims to ``out_features``. It runs
-  the Triton kernels (``exl3rt.kernels.exl3_linear``); without Triton it dequantizes and multiplies.
+- **CUDA**: ``x`` flattened and zero-padded to ``in_p``, the Triton kernels (``exl3rt.kernels.exl3_linear``,
+  ``[rows, in_p] -> [rows, out_p]``), trimmed to ``out_features``.
 
 Dequantized-weight cache: decoding the trellis costs far more than the matmul, so re-decoding on
 every call makes generation unusably slow on CPU. The module therefore keeps the decoded weight
-(activation dtype, on the module's device) after the first forward when ``dequant_cache`` is True
-— by default on CPU only (``None``), where it brings memory back to the dense size for the speed of
-a dense layer. ``dequant_cache=False`` decodes every call (memory stays at the code size);
+(activation dtype, on the module's device) after the first forward, or from :meth:`Exl3Linear.prepare`,
+when ``dequant_cache`` is True — by default on CPU only (``None``), where it brings memory back to the dense
+size for the speed of a dense layer. A compiled forward only reads it (decoding there would be traced):
+``prepare`` before compiling. ``dequant_cache=False`` decodes every call (memory stays at the code size);
 :meth:`clear_dequant_cache` drops it; moving the module (``.to``/``.cuda``) drops it too.
 """
 
@@ -37,6 +38,7 @@ from ..format.bits import Bits, bits_from_trellis, normalize_bits, words16_per_t
 from ..format.codebooks import check_codebook
 from ..format.encoded import EncodedLinear, padded_width
 from ..format.reconstruct import reconstruct
+from ..kernels import ops as _ops  # noqa: F401  (registers torch.ops.exl3rt.*)
 
 log = logging.getLogger("exl3rt.runtime")
 
@@ -194,44 +196,47 @@ class Exl3Linear(nn.Module):
             raise TypeError(f"{self.name or 'Exl3Linear'}: input dtype {x.dtype} is not floating point")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., in_features] -> [..., out_features]`` in ``x.dtype``."""
+        """``[..., in_features] -> [..., out_features]`` in ``x.dtype``: one ``torch.ops.exl3rt.linear`` call
+        (:mod:`exl3rt.kernels.ops`), then the bias."""
         self._check_input(x)
-        if x.device.type == "cuda":
-            y = self._padded_forward(x)
-        else:
-            y = self._reference_forward(x)
+        y = torch.ops.exl3rt.linear(x, self.trellis, self.suh, self.svh, self._dense_for(x), self.codebook,
+                                    self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
 
-    def _reference_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """CPU / any-device reference: ``x @ W[:in, :out]`` with W decoded by :func:`format.reconstruct`."""
-        w = self.dequantized_weight(x.dtype)
-        return torch.matmul(x, w)
+    def prepare(self, dtype: torch.dtype, done: Optional[set] = None) -> int:
+        """Get ready for activations of ``dtype`` outside any traced code: on CUDA compile the kernels
+        (:meth:`prewarm`; returns its launches), elsewhere decode the kept dense weight where the
+        dequantized-weight cache is on (a compiled forward then finds it instead of decoding per call)."""
+        if self._on_kernel_device():
+            return self.prewarm(dtype, done)
+        if self._cache_enabled(self.trellis.device):
+            self.dequantized_weight(dtype)
+        return 0
 
-    def _padded_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Flatten to 2-D, zero-pad to ``in_p``, run :meth:`_kernel_forward`, trim to ``out_features``."""
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if self.in_padded != self.in_features:
-            x2 = torch.nn.functional.pad(x2, (0, self.in_padded - self.in_features))
-        y = self._kernel_forward(x2.contiguous())
-        return y[:, : self.out_features].reshape(*lead, self.out_features)
+    def _dense_for(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The decoded ``W[:in, :out]`` the op multiplies by off CUDA (None: the op runs the kernels, or
+        decodes for the call). Filled lazily in eager mode; a traced forward only reads it (:meth:`prepare`)."""
+        if x.device.type == "cuda" or not self._cache_enabled(self.trellis.device):
+            return None
+        if torch.compiler.is_compiling():
+            w = self._w_cache
+            if w is None or w.dtype != x.dtype or tuple(w.shape) != (self.in_features, self.out_features):
+                _warn_unprepared(self.name)
+                return None
+            return w
+        return self.dequantized_weight(x.dtype)
 
-    def _kernel_forward(self, x_padded: torch.Tensor) -> torch.Tensor:
-        """THE kernel hook: ``x_padded [rows, in_p]`` -> ``[rows, out_p]`` in ``x_padded.dtype``.
 
-        On CUDA: :func:`exl3rt.kernels.exl3_linear` (Triton; decode-on-the-fly GEMV for few rows,
-        Triton decode + matmul for more). Elsewhere (or without Triton): dequantize (untrimmed) and
-        matmul.
-        """
-        if x_padded.device.type == "cuda":
-            # imported here: importing triton (and defining the kernels) only when CUDA is used
-            from ..kernels.gemv import HAVE_TRITON
-            if HAVE_TRITON:
-                from ..kernels.linear import exl3_linear
-                return exl3_linear(x_padded, self.trellis, self.suh, self.svh, self.codebook)
-        return x_padded @ self.dequantized_weight(x_padded.dtype, trim=False)
+_WARNED_UNPREPARED: set[str] = set()
+
+
+def _warn_unprepared(name: str) -> None:
+    if not _WARNED_UNPREPARED:
+        log.warning("%s: compiled before its dense weight was decoded (call Exl3Linear.prepare(dtype), or run one "
+                    "eager forward, before compiling); the compiled model decodes it on every call", name or "Exl3Linear")
+    _WARNED_UNPREPARED.add(name)
 
 
 __all__ = ["Exl3Linear"]

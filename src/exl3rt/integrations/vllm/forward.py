@@ -40,10 +40,11 @@ def exl3_apply(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] =
 
 
 def warm_layer_kernels(layer: nn.Module, dtype: torch.dtype, done: set) -> int:
-    """Prewarm the CUDA kernels of ``layer``'s EXL3 linears for activations of ``dtype``
-    (:meth:`Exl3Linear.prewarm`; each distinct :meth:`~Exl3Linear.kernel_key` once per ``done``), so that
-    vLLM's profile run and CUDA-graph capture find every specialization compiled. No-op off CUDA."""
-    return sum(m.prewarm(dtype, done) for m in getattr(layer, "exl3", ()))
+    """Get ``layer``'s EXL3 linears ready for activations of ``dtype`` (:meth:`Exl3Linear.prepare`): on CUDA
+    compile the kernels (each distinct :meth:`~Exl3Linear.kernel_key` once per ``done``), so that vLLM's profile
+    run and CUDA-graph capture find every specialization compiled; on the CPU decode the kept dense weights, so
+    that the model vLLM compiles multiplies by them instead of decoding in the graph. Returns the launches."""
+    return sum(m.prepare(dtype, done) for m in getattr(layer, "exl3", ()))
 
 
 def exl3_head_apply(layer: nn.Module, x: torch.Tensor, width: int,

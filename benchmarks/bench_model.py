@@ -1,0 +1,209 @@
+"""Whole models in transformers on the GPU: EXL3 (random codes, no encoding) beside BF16 in the same run.
+
+    python benchmarks/bench_model.py --model llama8b --bits 4
+    python benchmarks/bench_model.py --model qwen3moe --layers 16          # mixed K3/K4 experts
+
+The model is built from a config with random BF16 weights on the GPU and timed; then every decoder linear (and
+every expert) is replaced in place by EXL3 codes (``quantize_model`` with the encoder swapped for random codes
+of the right shapes: the kernels' time does not depend on the codes) and timed again. Rows of the table:
+
+- ``forward eager``: one token, no KV cache, ``model(ids)`` as ``generate`` runs it eagerly (ms);
+- ``forward compiled``: the same under ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA graphs);
+- ``decode``: greedy tokens/s after a ``--prompt``-token prompt, static KV cache, ``generate`` compiling the
+  decode step (``cache_implementation="static"``): (new tokens - 1) / (time(N new) - time(1 new));
+- ``prefill``: one ``--prefill``-token forward, eager (ms).
+
+Prints the table and writes benchmarks/results/model_<model>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import commit, write_json  # noqa: E402
+
+CONFIGS = {
+    # Llama-3-8B's shapes
+    "llama8b": dict(kind="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096),
+    # Qwen3-30B-A3B's shapes (48 layers in the real model)
+    "qwen3moe": dict(kind="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     num_experts=128, num_experts_per_tok=8, vocab_size=151936, max_position_embeddings=4096,
+                     norm_topk_prob=True),
+}
+
+
+def build(name: str, layers: int | None):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+
+    spec = dict(CONFIGS[name])
+    kind = spec.pop("kind")
+    if layers:
+        spec["num_hidden_layers"] = layers
+    cfg = (LlamaConfig if kind == "llama" else Qwen3MoeConfig)(**spec, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def random_codes(weight, bits, codebook="mcg", hessian=None, seed=0, **_):
+    """What the encoder would return, with uniformly random codes, made on the weight's device."""
+    from exl3rt.format.encoded import EncodedLinear, padded_width
+    from exl3rt.format.bits import words16_per_tile
+
+    n_in, n_out = weight.shape
+    in_p, out_p = padded_width(n_in), padded_width(n_out)
+    dev = weight.device
+    g = torch.Generator(device=dev).manual_seed(int(seed) & 0x7FFFFFFF)
+    trellis = torch.randint(-32768, 32768, (in_p // 16, out_p // 16, words16_per_tile(bits)), dtype=torch.int16,
+                            device=dev, generator=g)
+
+    def scales(n, s):
+        sign = torch.where(torch.rand(n, device=dev, generator=g) < 0.5, -1.0, 1.0)
+        return (sign * s * (0.5 + torch.rand(n, device=dev, generator=g))).to(torch.float16)
+
+    enc = EncodedLinear(trellis=trellis, suh=scales(in_p, 0.02 / n_in ** 0.25), svh=scales(out_p, 0.02),
+                        codebook=codebook, in_features=n_in, out_features=n_out)
+    enc.info = {"proxy_err": 0.0}
+    return enc
+
+
+def to_exl3(model, bits, moe_mixed: bool):
+    import exl3rt
+    import exl3rt.cache.key as ck
+    import exl3rt.encode.quantize as q
+
+    q.quantize_weight = random_codes
+    ck.tensor_digest = lambda t: "random"   # cache off: the key only carries the shapes here
+    kw = {}
+    if moe_mixed:   # K3 experts, the first quarter of each layer's experts at K4
+        n = model.config.num_experts
+        kw["expert_bits"] = {f"model.layers.{i}.mlp.experts": {e: 4 for e in range(n // 4)}
+                             for i in range(model.config.num_hidden_layers)}
+    cfg = exl3rt.Exl3Config(bits=3 if moe_mixed else bits, cache_mode="off", progress=False, **kw)
+    summary = exl3rt.quantize_model(model, cfg, progress=False)
+    done: set = set()
+    for m in model.modules():
+        if isinstance(m, exl3rt.Exl3Linear):
+            m.prepare(torch.bfloat16, done)     # compiles every kernel specialization before any timing
+    torch.cuda.synchronize()
+    return summary
+
+
+def timed(fn, iters: int, warmup: int = 3) -> float:
+    """Median ms of ``fn()`` over ``iters`` calls, each between two CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure(model, args, label: str) -> dict:
+    out: dict = {}
+    vocab = model.config.vocab_size
+    g = torch.Generator(device="cuda").manual_seed(1)
+    one = torch.randint(3, vocab, (1, 1), device="cuda", generator=g)
+    with torch.no_grad():
+        ref = model(one, use_cache=False).logits.float()
+        if "eager" in args.modes:
+            out["forward eager ms"] = timed(lambda: model(one, use_cache=False), args.iters)
+            print(f"{label}: forward eager {out['forward eager ms']:.2f} ms", flush=True)
+        if "compiled" in args.modes:
+            t0 = time.perf_counter()
+            cm = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+            got = cm(one, use_cache=False).logits.float()
+            cm(one, use_cache=False)
+            out["compile s"] = time.perf_counter() - t0
+            out["compiled vs eager rel err"] = float((got - ref).norm() / ref.norm())
+            out["forward compiled ms"] = timed(lambda: cm(one, use_cache=False), args.iters)
+            print(f"{label}: forward compiled {out['forward compiled ms']:.2f} ms (compile {out['compile s']:.0f} s, "
+                  f"rel err vs eager {out['compiled vs eager rel err']:.1e})", flush=True)
+            torch._dynamo.reset()
+        if args.decode:
+            prompt = torch.randint(3, vocab, (1, args.prompt), device="cuda", generator=g)
+
+            def gen(n):
+                return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
+                                      min_new_tokens=n, do_sample=False, cache_implementation="static",
+                                      pad_token_id=0)
+            t0 = time.perf_counter()
+            gen(args.decode)          # compiles the decode step
+            out["decode compile s"] = time.perf_counter() - t0
+
+            def wall(n):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                gen(n)
+                torch.cuda.synchronize()
+                return time.perf_counter() - t
+            t1 = min(wall(1) for _ in range(2))
+            tn = min(wall(args.decode) for _ in range(2))
+            out["decode tok/s"] = (args.decode - 1) / (tn - t1)
+            print(f"{label}: decode {out['decode tok/s']:.1f} tok/s", flush=True)
+            torch._dynamo.reset()
+        if args.prefill:
+            ids = torch.randint(3, vocab, (1, args.prefill), device="cuda", generator=g)
+            out["prefill ms"] = timed(lambda: model(ids, use_cache=False), max(3, args.iters // 4))
+            print(f"{label}: prefill {args.prefill} {out['prefill ms']:.1f} ms", flush=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(CONFIGS), default="llama8b")
+    ap.add_argument("--bits", type=int, default=4, help="K of the dense model's linears")
+    ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers than the real model")
+    ap.add_argument("--modes", nargs="+", default=["eager", "compiled"])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--decode", type=int, default=128, help="new tokens in the decode measurement (0: skip)")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--prefill", type=int, default=2048, help="prefill tokens (0: skip)")
+    ap.add_argument("--skip-bf16", action="store_true")
+    args = ap.parse_args()
+
+    model = build(args.model, args.layers)
+    rows = {}
+    if not args.skip_bf16:
+        rows["bf16"] = measure(model, args, "bf16")
+    moe = args.model == "qwen3moe"
+    t0 = time.perf_counter()
+    to_exl3(model, args.bits, moe)
+    label = "exl3 K3/K4 experts" if moe else f"exl3 K{args.bits}"
+    print(f"{label}: codes installed in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows[label] = measure(model, args, label)
+
+    keys = sorted({k for r in rows.values() for k in r})
+    print(f"\n{args.model} ({model.config.num_hidden_layers} layers), {torch.cuda.get_device_name()}")
+    print(f"{'':<26}" + "".join(f"{name:>22}" for name in rows) + ("   ratio" if len(rows) == 2 else ""))
+    for k in keys:
+        vals = [rows[name].get(k) for name in rows]
+        line = f"{k:<26}" + "".join(f"{v:>22.3f}" if v is not None else f"{'-':>22}" for v in vals)
+        if len(vals) == 2 and None not in vals and vals[0]:
+            line += f"   {vals[1] / vals[0]:.2f}x"
+        print(line)
+    write_json(Path(__file__).resolve().parent / "results" / f"model_{args.model}.json", {
+        "date": datetime.date.today().isoformat(), "commit": commit(), "device": torch.cuda.get_device_name(),
+        "model": args.model, "layers": model.config.num_hidden_layers, "args": vars(args), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""PyTorch custom ops (``torch.ops.exl3rt.*``): what torch.compile, CUDA graphs and vLLM see of an EXL3 layer.
+
+Each op is one opaque node with a fake (meta) implementation, so a compiler never traces into the decode or
+a Triton kernel, and settings are read outside the traced code.
+
+``exl3rt::linear(x, trellis, suh, svh, weight, codebook, out_features) -> y``
+    ``y = x · W[:in, :out]`` for ``x [..., in]`` (any leading shape), ``W = diag(suh)·Hk·Q·Hn·diag(svh)``
+    (:func:`exl3rt.format.reconstruct`); ``y [..., out_features]`` in ``x.dtype``, no bias. ``weight``, when
+    given, is that product's dense ``W[:in, :out]`` already decoded in ``x.dtype`` (the CPU path keeps one,
+    prepared outside traced code): then ``y = x @ weight``. Otherwise CUDA runs the Triton kernels
+    (:func:`exl3rt.kernels.exl3_linear`) and any other device decodes W for the call.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..format.reconstruct import reconstruct
+
+
+@torch.library.custom_op("exl3rt::linear", mutates_args=())
+def linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+           weight: Optional[torch.Tensor], codebook: str, out_features: int) -> torch.Tensor:
+    in_features = x.shape[-1]
+    if weight is not None:
+        return torch.matmul(x, weight)
+    if x.device.type == "cuda":
+        return padded_linear(x, trellis, suh, svh, codebook, out_features)
+    w = reconstruct(trellis, suh, svh, codebook)[:in_features, :out_features].to(x.dtype)
+    return torch.matmul(x, w)
+
+
+@linear.register_fake
+def _(x, trellis, suh, svh, weight, codebook, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def padded_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str,
+                  out_features: int) -> torch.Tensor:
+    """The kernels' contract: flatten to 2-D, zero-pad to ``in_p``, ``[rows, in_p] -> [rows, out_p]``, trim to
+    ``out_features``. The Triton kernels on CUDA; elsewhere (or without Triton) the untrimmed W decoded."""
+    from .gemv import HAVE_TRITON
+    lead, in_features = x.shape[:-1], x.shape[-1]
+    in_p = trellis.shape[0] * 16
+    x2 = x.reshape(-1, in_features)
+    if in_p != in_features:
+        x2 = torch.nn.functional.pad(x2, (0, in_p - in_features))
+    if HAVE_TRITON and x.device.type == "cuda":
+        from .linear import exl3_linear
+        y = exl3_linear(x2.contiguous(), trellis, suh, svh, codebook)
+    else:
+        y = x2 @ reconstruct(trellis, suh, svh, codebook).to(x.dtype)
+    if y.shape[1] != out_features:
+        y = y[:, :out_features].contiguous()
+    return y.reshape(*lead, out_features)
+
+
+__all__ = ["linear", "padded_linear"]
