@@ -1,4 +1,4 @@
-"""EXL3 linear kernels on the GPU (issue 5): exl3rt.kernels.exl3_linear vs bf16 torch.matmul.
+"""EXL3 linear kernels on the GPU: exl3rt.kernels.exl3_linear vs bf16 torch.matmul.
 
     python benchmarks/bench_linear.py [--quick] [--codebook mcg] [--shapes 4096x14336,14336x4096] [--bits 2 4]
                                       [--rows 1 16 256] [--out benchmarks/results/linear_cuda.json]
@@ -9,7 +9,10 @@ whole ``exl3_linear`` (input rotation, the path ``choose_path`` picks — FFMA G
 wgmma kernel or decode + cuBLAS — output rotation), bracketed by CUDA events; the median over ``--iters``
 calls is reported, with the other paths at rows 1/4/16/64/256/2048 for the dispatch thresholds; "batched" columns
 time one CUDA graph of 32 calls (per call: the per-replay launch cost amortized). ``torch.matmul``
-in bf16 on the same number of dense copies is timed the same way in the same run. Before timing,
+in bf16 on the same number of dense copies is timed the same way in the same run. "eager" columns time 64 eager
+calls between two events (copies rotated; the host's launch cost shows where it exceeds the GPU time):
+the planned call (``exl3_linear``), the full unplanned call (``kl._linear``: every decision and a JIT launch
+each time) and bf16 ``torch.matmul``; "module eager" times ``Exl3Linear`` against ``nn.Linear``. Before timing,
 every (shape, K) is checked against ``format.reconstruct`` in float64 (fp32 inputs, rows 1/4/16/64/200)
 and the Triton decode against ``format.decode`` bit for bit. Also times the kernels alone (GEMV
 at rows 1, mma at rows 16) and reports decoded weights/s.
@@ -95,6 +98,29 @@ def time_batched(fns, iters: int, calls: int = 32, warmup: int = 2) -> float:
         b.record()
     torch.cuda.synchronize()
     return statistics.median(a.elapsed_time(b) for a, b in ev) * 1000.0 / calls
+
+
+def time_eager(fns, iters: int, calls: int = 64) -> tuple[float, float]:
+    """(µs per call, host µs per call) of ``calls`` eager calls (cycling over ``fns``) between two events, the
+    median of a few rounds: the host's launch cost or the GPU time, whichever bounds, as ``model.generate``
+    meets it; the host figure is the wall time from the first call to the last launch returned."""
+    for f in fns:      # compile, plan, fill the allocator
+        f()
+    torch.cuda.synchronize()
+    dev_t, host_t = [], []
+    for _ in range(max(5, iters // 20)):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fns[i % len(fns)]()
+        t1 = time.perf_counter()
+        b.record()
+        torch.cuda.synchronize()
+        dev_t.append(a.elapsed_time(b) * 1000.0 / calls)
+        host_t.append((t1 - t0) * 1e6 / calls)
+    return statistics.median(dev_t), statistics.median(host_t)
 
 
 def make_codes(in_p, out_p, bits, copies, dev, seed=0):
@@ -189,14 +215,30 @@ def main(argv=None):
         results["checks"].append({"module": "Exl3Linear 4000x14000 K4 bias", "rows": rows, "rel": e,
                                   "ok": e < 1e-2})
         print(f"Exl3Linear rows=2x{rows}: rel {e:.2e} (bf16 output)", flush=True)
-    del m, w
+    del w
+    # the module as a model calls it, eager: Exl3Linear (4096 -> 14336, K4) against nn.Linear in bf16
+    m = Exl3Linear(4096, 14336, 4, cb, device=dev, dtype=torch.bfloat16)
+    m.trellis.copy_(make_codes(4096, 14336, 4, 1, dev, seed=98)[0][0])
+    lin = torch.nn.Linear(4096, 14336, bias=False, device=dev, dtype=torch.bfloat16)
+    results["module_eager"] = []
+    with torch.inference_mode():
+        for rows in (1, 4, 16):
+            x = torch.randn(1, rows, 4096, device=dev, dtype=torch.bfloat16)
+            e, eh = time_eager([lambda: m(x)], args.iters)
+            b, bh = time_eager([lambda: lin(x)], args.iters)
+            results["module_eager"].append({"rows": rows, "exl3_us": e, "exl3_host_us": eh, "bf16_us": b,
+                                            "bf16_host_us": bh})
+            print(f"module eager rows={rows}: Exl3Linear {e:.1f} us (host {eh:.1f}), nn.Linear bf16 {b:.1f} us "
+                  f"(host {bh:.1f})", flush=True)
+    del m, lin
 
     for in_p, out_p in shapes:
         xs_bf = {r: torch.randn(r, in_p, device=dev, dtype=torch.bfloat16) for r in rows_list}
         dense = [torch.randn(in_p, out_p, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(args.copies)]
-        bf16, bf16_b = {}, {}
+        bf16, bf16_b, bf16_e = {}, {}, {}
         for r in rows_list:
             bf16[r] = time_graphs([lambda w=w, r=r: torch.matmul(xs_bf[r], w) for w in dense], args.iters)
+            bf16_e[r] = time_eager([lambda w=w, r=r: torch.matmul(xs_bf[r], w) for w in dense], args.iters)
             bf16_b[r] = time_batched([lambda w=w, r=r: torch.matmul(xs_bf[r], w) for w in dense], args.iters)
         del dense
         torch.cuda.empty_cache()
@@ -227,7 +269,12 @@ def main(argv=None):
                 x = xs_bf[r]
                 fns = [lambda c=c: kl.exl3_linear(x, c[0], c[1], c[2], cb) for c in codes]
                 us = time_graphs(fns, args.iters)
+                eager, eager_host = time_eager(fns, args.iters)
+                full, full_host = time_eager([lambda c=c: kl._linear(x, c[0], c[1], c[2], cb) for c in codes],
+                                             args.iters)
                 row = {"in": in_p, "out": out_p, "K": bits, "rows": r, "us": us, "bf16_us": bf16[r],
+                       "eager_us": eager, "eager_host_us": eager_host, "unplanned_eager_us": full,
+                       "unplanned_eager_host_us": full_host, "bf16_eager_us": bf16_e[r][0],
                        "batched_us": time_batched(fns, args.iters), "bf16_batched_us": bf16_b[r],
                        "path": kl.choose_path(r, wgmma=wgmma_here(), bits=bits),
                        "exllamav3_us": ANCHORS.get((in_p, out_p, bits, r))}
@@ -243,22 +290,26 @@ def main(argv=None):
                         args.iters)
                 results["rows"].append(row)
                 print(f"{in_p}x{out_p} K={bits} rows={r}: {us:.1f} us ({row['path']}; bf16 {bf16[r]:.1f}; "
-                      f"batched {row['batched_us']:.1f} vs bf16 {bf16_b[r]:.1f})"
+                      f"batched {row['batched_us']:.1f} vs bf16 {bf16_b[r]:.1f}; eager {eager:.1f} (host {eager_host:.1f}) "
+                      f"vs unplanned {full:.1f} (host {full_host:.1f}), bf16 {bf16_e[r][0]:.1f})"
                       + "".join(f", {o} {row[o + '_us']:.1f}" for o in others), flush=True)
             del codes
             torch.cuda.empty_cache()
 
     write_json(args.out, results)
     print("\n| layer | K | rows | path | exl3rt µs | bf16 µs | exl3rt/bf16 | batched exl3rt µs | batched bf16 µs "
-          "| batched ratio | other paths µs | exllamav3 1.6.5 µs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| batched ratio | eager µs (host) | unplanned eager µs (host) | bf16 eager µs | other paths µs "
+          "| exllamav3 1.6.5 µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
         anc = f"{r['exllamav3_us']:.1f}" if r["exllamav3_us"] else ""
         extra = ", ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if k.endswith("_us") and k not in
-                          ("bf16_us", "exllamav3_us", "batched_us", "bf16_batched_us"))
+                          ("bf16_us", "exllamav3_us", "batched_us", "bf16_batched_us") and "eager" not in k)
         print(f"| {r['in']}×{r['out']} | {r['K']} | {r['rows']} | {r['path']} | {r['us']:.1f} | {r['bf16_us']:.1f} | "
               f"{r['us'] / r['bf16_us']:.2f} | {r['batched_us']:.1f} | {r['bf16_batched_us']:.1f} | "
-              f"{r['batched_us'] / r['bf16_batched_us']:.2f} | {extra} | {anc} |")
+              f"{r['batched_us'] / r['bf16_batched_us']:.2f} | {r['eager_us']:.1f} ({r['eager_host_us']:.1f}) | "
+              f"{r['unplanned_eager_us']:.1f} ({r['unplanned_eager_host_us']:.1f}) | {r['bf16_eager_us']:.1f} | "
+              f"{extra} | {anc} |")
     print("\nKernels alone (no Hadamard passes): GEMV rows=1, mma rows=16:")
     for g in results["gemv_kernel"]:
         print(f"  {g['in']}x{g['out']} K={g['K']}: GEMV {g['us']:.1f} us ({g['tweights_per_s']:.2f} T weights/s, "

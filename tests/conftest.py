@@ -19,6 +19,8 @@ if not torch.cuda.is_available():
     # is first imported: set it before any test module can import it, so the GPU kernels run in
     # Triton's CPU interpreter here and in CI.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+import sys
+
 from safetensors import safe_open
 
 from exl3rt import env
@@ -50,3 +52,13 @@ def golden_codebook(tensors: dict) -> str:
 def golden_layer(request):
     tensors, meta = load_golden(request.param)
     return request.param, tensors, meta
+
+
+@pytest.fixture(autouse=True)
+def _fresh_kernel_plans():
+    """Kernel settings (``EXL3RT_KERNEL_*``) are read when a linear's launch plan is made: a test that changes
+    them must not meet a plan an earlier test made."""
+    yield
+    linear = sys.modules.get("exl3rt.kernels.linear")
+    if linear is not None:
+        linear.reset_plans()

@@ -98,7 +98,7 @@ def test_wgmma_path_hands_the_kernel_whole_row_blocks(rows, in_p, monkeypatch):
     seen = {}
     garbage_empty(monkeypatch)
 
-    def kernel(xh, trellis, codebook, cfg, pdl=False, rows=None, acc=None):
+    def kernel(xh, trellis, codebook, cfg, pdl=False, rows=None, acc=None, alloc=None):
         seen.update(shape=tuple(xh.shape), rows=rows, block=cfg.block_rows, x=xh[:rows].clone(), acc=acc is not None)
         z = (xh[:rows].double().cpu() @ q).float().to(xh.device)[None]
         if acc is not None:

@@ -17,6 +17,7 @@ import torch
 
 from ..util.ints import next_pow2
 from ._triton import HAVE_GDC, HAVE_TRITON, tl, triton
+from .launch import launch as launch_kernel  # (had() has a parameter named launch)
 
 if HAVE_GDC:
     from ._triton import gdc_launch_dependents, gdc_wait
@@ -131,7 +132,7 @@ def had(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, pre: bool, s
     grid = (triton.cdiv(rows_out, br), n // 128)
     extra = {"PDL": True, "launch_pdl": True} if pdl else {}
     zargs = {"zero_ptr": zero, "zero_n": zero.numel(), "ZERO": True} if zero is not None else {}
-    _had_kernel[grid](x, scale, out, rows, n, splits, stride_split, PRE=pre, BR=br, SB=sb, num_warps=warps,
+    launch_kernel(_had_kernel, grid, x, scale, out, rows, n, splits, stride_split, PRE=pre, BR=br, SB=sb, num_warps=warps,
                       FRAG=frag, rows_out=rows_out, **extra, **zargs)
     return out
 

@@ -20,16 +20,31 @@ import torch
 from ..format.reconstruct import reconstruct
 
 
+def linear_impl(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+                weight: Optional[torch.Tensor], codebook: str, out_features: int) -> torch.Tensor:
+    """What ``exl3rt::linear`` computes (its implementation)."""
+    if weight is not None:
+        return torch.matmul(x, weight)
+    if x.is_cuda:
+        return padded_linear(x, trellis, suh, svh, codebook, out_features)
+    w = reconstruct(trellis, suh, svh, codebook)[:x.shape[-1], :out_features].to(x.dtype)
+    return torch.matmul(x, w)
+
+
 @torch.library.custom_op("exl3rt::linear", mutates_args=())
 def linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
            weight: Optional[torch.Tensor], codebook: str, out_features: int) -> torch.Tensor:
-    in_features = x.shape[-1]
-    if weight is not None:
-        return torch.matmul(x, weight)
-    if x.device.type == "cuda":
-        return padded_linear(x, trellis, suh, svh, codebook, out_features)
-    w = reconstruct(trellis, suh, svh, codebook)[:in_features, :out_features].to(x.dtype)
-    return torch.matmul(x, w)
+    return linear_impl(x, trellis, suh, svh, weight, codebook, out_features)
+
+
+def call_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+                weight: Optional[torch.Tensor], codebook: str, out_features: int) -> torch.Tensor:
+    """``torch.ops.exl3rt.linear(...)`` where anything traces (torch.compile, export, a tensor subclass such as
+    fake tensors); in plain eager mode its implementation, called directly: the dispatch of a Python custom op
+    costs more host time (~20 µs) than the kernels' launches."""
+    if type(x) is torch.Tensor and not torch.compiler.is_compiling():
+        return linear_impl(x, trellis, suh, svh, weight, codebook, out_features)
+    return torch.ops.exl3rt.linear(x, trellis, suh, svh, weight, codebook, out_features)
 
 
 @linear.register_fake
@@ -41,20 +56,36 @@ def padded_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh
                   out_features: int) -> torch.Tensor:
     """The kernels' contract: flatten to 2-D, zero-pad to ``in_p``, ``[rows, in_p] -> [rows, out_p]``, trim to
     ``out_features``. The Triton kernels on CUDA; elsewhere (or without Triton) the untrimmed W decoded."""
-    from .gemv import HAVE_TRITON
-    lead, in_features = x.shape[:-1], x.shape[-1]
+    shape = x.shape
+    in_features = shape[-1]
     in_p = trellis.shape[0] * 16
-    x2 = x.reshape(-1, in_features)
+    x2 = x if len(shape) == 2 else x.reshape(-1, in_features)
     if in_p != in_features:
         x2 = torch.nn.functional.pad(x2, (0, in_p - in_features))
-    if HAVE_TRITON and x.device.type == "cuda":
-        from .linear import exl3_linear
-        y = exl3_linear(x2.contiguous(), trellis, suh, svh, codebook)
+    kernel = _kernel()
+    if kernel is not None and x.is_cuda:
+        y = kernel(x2.contiguous(), trellis, suh, svh, codebook)
     else:
         y = x2 @ reconstruct(trellis, suh, svh, codebook).to(x.dtype)
-    if y.shape[1] != out_features:
+    if trellis.shape[1] * 16 != out_features:
         y = y[:, :out_features].contiguous()
-    return y.reshape(*lead, out_features)
+    return y if len(shape) == 2 else y.view(*shape[:-1], out_features)
 
 
-__all__ = ["linear", "padded_linear"]
+_KERNEL: list = []
+
+
+def _kernel():
+    """:func:`exl3rt.kernels.linear.exl3_linear` (None without Triton), imported on first use: importing it
+    loads Triton."""
+    if not _KERNEL:
+        from .gemv import HAVE_TRITON
+        if HAVE_TRITON:
+            from .linear import exl3_linear
+            _KERNEL.append(exl3_linear)
+        else:
+            _KERNEL.append(None)
+    return _KERNEL[0]
+
+
+__all__ = ["linear", "linear_impl", "call_linear", "padded_linear"]

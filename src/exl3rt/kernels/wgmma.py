@@ -46,6 +46,7 @@ from typing import Optional
 import torch
 
 from .. import env
+from .launch import launch
 
 KC = 4           # k-tiles per chunk (one wgmma of K = 64; one TMA box of 64 x' columns)
 WARPS = 4        # one warpgroup: warp w decodes n-tile 4·pid_n + w (64 output columns per program)
@@ -447,7 +448,8 @@ def padded_rows(rows: int, cfg: WgmmaConfig) -> int:
 
 
 def wgmma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Optional[WgmmaConfig] = None,
-                  pdl: bool = False, rows: Optional[int] = None, acc: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  pdl: bool = False, rows: Optional[int] = None, acc: Optional[torch.Tensor] = None,
+                  alloc=None) -> torch.Tensor:
     """Split-K partials ``z [splits, rows, out_p]`` (fp32) of ``xh[:rows]`` (fp16, row-major, 16-byte
     aligned rows) times the layer's Q, on a device where :func:`available` holds; where :func:`use_atomic` the
     splits are added into one buffer ``[1, rows, out_p]``: ``acc`` if given (zeroed by the caller, e.g. by the
@@ -455,7 +457,7 @@ def wgmma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: O
     ``xh``): ``xh`` may hold more rows — give it :func:`padded_rows` rows (their content is read but only
     changes rows of the product that are not stored), else the last row block's TMA boxes reach past its end,
     which is correct but slow. ``pdl``: launch as a programmatic dependent of the kernel that wrote ``xh``
-    (and let the next one launch early)."""
+    (and let the next one launch early). ``alloc``: makes the partials' buffer (default ``torch.empty``)."""
     from ..format.bits import bits_from_trellis
     from .linear import split_buffer
     if not available(xh.device):
@@ -476,12 +478,12 @@ def wgmma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: O
     # the split follows from the layer and the row bucket, never from the row count itself (the post-pass
     # specializes on it): a prewarm at one row count of the bucket covers every other
     splits, k_per, atomic = launch_splits(k_tiles, n_tiles, cfg)
-    z = split_buffer("wgmma_rotated", acc, atomic, splits, rows, n_tiles * 16, xh.device)
+    z = split_buffer("wgmma_rotated", acc, atomic, splits, rows, n_tiles * 16, xh.device, alloc)
     desc = TensorDescriptor.from_tensor(xh, [cfg.block_rows, KC * 16], _x_layout(cfg.block_rows))
     extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
     if pdl:
         extra["launch_pdl"] = True
-    _wgmma_kernel[(grid_n, grid_m, splits)](desc, trellis.view(torch.int32), z, rows, k_tiles, n_tiles, k_per,
+    launch(_wgmma_kernel, (grid_n, grid_m, splits), desc, trellis.view(torch.int32), z, rows, k_tiles, n_tiles, k_per,
                                             0 if atomic else z.stride(0), 1, num_warps=WARPS,
                                             **kernel_constants(bits_from_trellis(trellis), codebook, cfg, pdl, atomic),
                                             **extra)

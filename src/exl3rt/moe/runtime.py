@@ -35,7 +35,7 @@ import torch
 from .plan import (BlockPolicy, DeviceFacts, LayerGeometry, MoESettings, Plan, PlanError, PlanPolicy,
                    auto_prefill_block_m, query_device_facts, resolve_policy)
 from .routing import ID_DTYPES, RoutePack
-from .op import register as register_moe_layer
+from .op import call_moe, register as register_moe_layer
 from .tiers import TierLayout, TierRotations
 
 log = logging.getLogger("exl3rt.moe")
@@ -338,7 +338,7 @@ class MoELayerRuntime:
     moe_forward = forward
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return torch.ops.exl3rt.moe(x, topk_ids, topk_weights, self.handle)
+        return call_moe(x, topk_ids, topk_weights, self.handle)
 
     def __repr__(self) -> str:
         return f"MoELayerRuntime({self.name}, {self.layout!r}, planned={self.planned})"

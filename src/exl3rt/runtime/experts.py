@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..moe.op import register as register_moe_layer
+from ..moe.op import call_moe, register as register_moe_layer
 from .policy import ExpertLayout
 
 
@@ -122,10 +122,10 @@ class Exl3Experts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """``[tokens, H]`` (any leading shape) -> the same: one ``torch.ops.exl3rt.moe`` call running
-        :meth:`moe_forward` (the loop over the routed experts is data-dependent: a compiler must not trace it)."""
+        :meth:`moe_forward` (the loop over the routed experts is data-dependent: a compiler must not trace it;
+        plain eager calls skip the op's dispatch, :func:`exl3rt.moe.op.call_moe`)."""
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        y = torch.ops.exl3rt.moe(x, top_k_index.reshape(x.shape[0], -1), top_k_weights.reshape(x.shape[0], -1),
-                                 self._moe_handle)
+        y = call_moe(x, top_k_index.reshape(x.shape[0], -1), top_k_weights.reshape(x.shape[0], -1), self._moe_handle)
         return y.reshape(hidden_states.shape)
 
     def moe_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

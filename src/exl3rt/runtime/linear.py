@@ -10,7 +10,8 @@ Buffers (persistent, so they load and move like weights)::
     bias     Parameter [out_features] in the model dtype, or None
 
 Forward: one custom op, ``torch.ops.exl3rt.linear`` (:mod:`exl3rt.kernels.ops`), so torch.compile, CUDA
-graphs and vLLM see one opaque node per layer; then the bias.
+graphs and vLLM see one opaque node per layer; then the bias. In plain eager mode the op's implementation is
+called directly (:func:`exl3rt.kernels.ops.call_linear`): the same computation without the dispatch's host time.
 
 - **CPU (reference path)**: ``W = format.reconstruct(...)`` trimmed to ``[in, out]``, cast to the
   activation dtype, then ``x @ W``. Trimming W equals zero-padding x to ``in_p`` and trimming y.
@@ -38,7 +39,7 @@ from ..format.bits import Bits, bits_from_trellis, normalize_bits, words16_per_t
 from ..format.codebooks import check_codebook
 from ..format.encoded import EncodedLinear, padded_width
 from ..format.reconstruct import reconstruct
-from ..kernels import ops as _ops  # noqa: F401  (registers torch.ops.exl3rt.*)
+from ..kernels.ops import call_linear  # (importing registers torch.ops.exl3rt.*)
 
 log = logging.getLogger("exl3rt.runtime")
 
@@ -197,10 +198,9 @@ class Exl3Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features] -> [..., out_features]`` in ``x.dtype``: one ``torch.ops.exl3rt.linear`` call
-        (:mod:`exl3rt.kernels.ops`), then the bias."""
+        (:mod:`exl3rt.kernels.ops`; in plain eager mode its implementation directly), then the bias."""
         self._check_input(x)
-        y = torch.ops.exl3rt.linear(x, self.trellis, self.suh, self.svh, self._dense_for(x), self.codebook,
-                                    self.out_features)
+        y = call_linear(x, self.trellis, self.suh, self.svh, self._dense_for(x), self.codebook, self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
@@ -218,7 +218,7 @@ class Exl3Linear(nn.Module):
     def _dense_for(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """The decoded ``W[:in, :out]`` the op multiplies by off CUDA (None: the op runs the kernels, or
         decodes for the call). Filled lazily in eager mode; a traced forward only reads it (:meth:`prepare`)."""
-        if x.device.type == "cuda" or not self._cache_enabled(self.trellis.device):
+        if x.is_cuda or not self._cache_enabled(self.trellis.device):
             return None
         if torch.compiler.is_compiling():
             w = self._w_cache
