@@ -8,6 +8,7 @@ every expert) is replaced in place by EXL3 codes (``quantize_model`` with the en
 of the right shapes: the kernels' time does not depend on the codes) and timed again. Rows of the table:
 
 - ``forward eager``: one token, no KV cache, ``model(ids)`` as ``generate`` runs it eagerly (ms);
+- ``forward graph``: the same forward captured by hand in one CUDA graph, replayed (ms);
 - ``forward compiled``: the same under ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA graphs);
 - ``decode``: greedy tokens/s after a ``--prompt``-token prompt, static KV cache, ``generate`` compiling the
   decode step (``cache_implementation="static"``): (new tokens - 1) / (time(N new) - time(1 new));
@@ -126,6 +127,23 @@ def measure(model, args, label: str) -> dict:
         if "eager" in args.modes:
             out["forward eager ms"] = timed(lambda: model(one, use_cache=False), args.iters)
             print(f"{label}: forward eager {out['forward eager ms']:.2f} ms", flush=True)
+        if "graph" in args.modes:     # the whole one-token forward captured by hand in one CUDA graph
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    model(one, use_cache=False)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static = model(one, use_cache=False).logits
+            graph.replay()
+            torch.cuda.synchronize()
+            out["graph vs eager rel err"] = float((static.float() - ref).norm() / ref.norm())
+            out["forward graph ms"] = timed(graph.replay, args.iters)
+            print(f"{label}: forward graph {out['forward graph ms']:.2f} ms (rel err vs eager "
+                  f"{out['graph vs eager rel err']:.1e})", flush=True)
+            del graph, static
         if "compiled" in args.modes:
             t0 = time.perf_counter()
             cm = torch.compile(model, mode="reduce-overhead", fullgraph=True)
@@ -171,7 +189,8 @@ def main() -> int:
     ap.add_argument("--model", choices=sorted(CONFIGS), default="llama8b")
     ap.add_argument("--bits", type=int, default=4, help="K of the dense model's linears")
     ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers than the real model")
-    ap.add_argument("--modes", nargs="+", default=["eager", "compiled"])
+    ap.add_argument("--modes", nargs="+", default=["eager", "graph", "compiled"],
+                    help="one-token forward modes: eager, graph (captured by hand), compiled (reduce-overhead)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--decode", type=int, default=128, help="new tokens in the decode measurement (0: skip)")
     ap.add_argument("--prompt", type=int, default=512)
