@@ -411,7 +411,7 @@ def test_exl3linear_prewarm_runs_every_row_bucket_once_per_kernel_key(monkeypatc
         assert a.prewarm(torch.float16, set()) == 0
         monkeypatch.setattr(Exl3Linear, "_on_kernel_device", lambda self: True)
     rows = []    # the launches prewarm makes, recorded (every configuration's kernels run in the tests above)
-    monkeypatch.setattr(kl, "_linear", lambda x, tr, suh, svh, cb: rows.append(x.shape[0]) or (tr.shape, cb))
+    monkeypatch.setattr(kl, "_linear", lambda x, tr, suh, svh, cb, **kw: rows.append(x.shape[0]) or (tr.shape, cb))
     done = set()
     n = a.prewarm(torch.float16, done)
     wg = kl._wg.available(a.trellis.device)

@@ -205,3 +205,30 @@ def test_compiled_replays_equal_the_full_call_on_a_gpu(rows):
         else:
             assert float((y.double() - full.double()).norm() / full.double().norm()) < 1e-3
         assert _rel(y, _ref(x, tr, suh, svh, "mcg")) < 2e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_reduce_overhead_compile_keeps_no_buffer_in_the_graph_pool():
+    """torch.compile's cudagraph trees warm a function up eagerly on their memory pool and then check that every
+    live tensor of the pool is an output: planned calls must keep nothing from there (workspaces are made by
+    prewarm only, recorded descriptors keep no base). Two layers, rows 1 and 20 (mma and, on Hopper, wgmma),
+    compiled with ``mode="reduce-overhead"``, give the eager outputs."""
+    from exl3rt.runtime.linear import Exl3Linear
+    torch._dynamo.reset()
+    layers = []
+    for seed in (1, 2):
+        m = Exl3Linear(1024, 1024, 4, "mcg", device="cuda", dtype=torch.bfloat16)
+        m.trellis.copy_(_codes(1024, 1024, 4, seed=seed)[0])
+        layers.append(m)
+    seq = torch.nn.Sequential(*layers)
+    for m in layers:
+        m.prepare(torch.bfloat16)
+    compiled = torch.compile(seq, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for rows in (1, 20):
+            x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+            want = seq(x)
+            for _ in range(3):
+                got = compiled(x).clone()
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    torch._dynamo.reset()

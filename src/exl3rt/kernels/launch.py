@@ -60,7 +60,7 @@ class _Step:
     args: list                      # every kernel parameter in order (direct) / the positional arguments
     kwargs: dict                    # interpreted only: the keyword arguments
     slots: tuple                    # (position or keyword, slot index)
-    descs: tuple                    # (position or keyword, slot index, the recorded descriptor)
+    descs: tuple                    # (position or keyword, slot index, (descriptor type, fields but base))
     run: Optional[Callable] = None  # the compiled kernel's launcher (direct replays)
     function: Any = None
     metadata: Any = None
@@ -110,20 +110,24 @@ class Replay:
                     slot = by_ptr.get(value.base.data_ptr())
                     if slot is None:
                         raise ValueError("a tensor descriptor must describe a slot tensor")
-                    descs.append((where, slot, value))
+                    # its fields without the recorded base: holding that buffer would keep it (maybe a CUDA
+                    # graph pool's) alive
+                    fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.name != "base"}
+                    descs.append((where, slot, (type(value), fields)))
             step = _Step(fn, (tuple(grid) + (1, 1))[:3] if direct else grid, args_out, kwargs_out, tuple(slots), tuple(descs))
             if direct:
                 step.run, step.function, step.metadata = compiled.run, compiled.function, compiled.packed_metadata
             self.steps.append(step)
 
     def _desc(self, desc, base: torch.Tensor, keep: bool):
-        """``desc`` over ``base``; ``keep``: remember it for the next call (a workspace base stays the same)."""
+        """The recorded descriptor ``(type, fields)`` over ``base``; ``keep``: remember it for the next call (a
+        workspace base stays the same)."""
         if not keep:
-            return dataclasses.replace(desc, base=base)
+            return desc[0](base=base, **desc[1])
         last = self._last_desc.get(id(desc))
         if last is not None and last[0] is base:
             return last[1]
-        made = dataclasses.replace(desc, base=base)
+        made = desc[0](base=base, **desc[1])
         self._last_desc[id(desc)] = (base, made)
         return made
 
@@ -152,7 +156,7 @@ class Replay:
                 for where, i in s.slots:
                     self._put(args, kwargs, where, slots[i])
                 for where, i, desc in s.descs:
-                    self._put(args, kwargs, where, dataclasses.replace(desc, base=slots[i]))
+                    self._put(args, kwargs, where, self._desc(desc, slots[i], False))
                 s.fn[s.grid](*args, **kwargs)
 
 

@@ -486,23 +486,31 @@ class LinearPlan:
 
 
 _PLANS: dict = {}
-_WORKSPACES: dict = {}          # (device index, stream) -> uint8 tensor, grown as plans need
+# (device index, stream) -> uint8 tensor. Made and grown only by prewarm (reserve_workspace), never inside a
+# call: a call may run where allocations land in a CUDA graph pool (torch.compile's cudagraph trees warm up
+# eagerly on their pool), and a buffer kept from there breaks the pool's bookkeeping
+_WORKSPACES: dict = {}
 
 
 def reset_plans() -> None:
-    """Forget every plan and workspace. Kernel settings (``EXL3RT_KERNEL_*``) are read when a plan is made:
+    """Forget every plan and workspace (:func:`prewarm` reserves them again). Kernel settings (``EXL3RT_KERNEL_*``) are read when a plan is made:
     call this after changing them in a running process."""
     _PLANS.clear()
     _WORKSPACES.clear()
 
 
-def _workspace(dev: int, stream: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    ws = _WORKSPACES.get((dev, stream))
+def reserve_workspace(device: torch.device, nbytes: int) -> None:
+    """Make the current stream's workspace on ``device`` (CUDA) hold at least ``nbytes`` (at most
+    :data:`WORKSPACE_MAX_BYTES`); planned calls whose scratch does not fit allocate it per call."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    key = (dev, _current_stream(dev))
+    nbytes = min(int(nbytes), WORKSPACE_MAX_BYTES)
+    ws = _WORKSPACES.get(key)
     if ws is None or ws.numel() < nbytes:
-        ws = torch.empty(max(nbytes, 1 << 20, 2 * ws.numel() if ws is not None else 0), dtype=torch.uint8,
-                         device=device)
-        _WORKSPACES[(dev, stream)] = ws
-    return ws
+        _WORKSPACES[key] = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device)
 
 
 def _scratch_views(plan: LinearPlan, ws: torch.Tensor) -> tuple:
@@ -525,8 +533,8 @@ def planned_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
                    codebook: str) -> torch.Tensor:
     """:func:`exl3_linear` with default options, planned: the first call of a layer (trellis, scales,
     codebook) at a row count, dtype and device decides the path, compiles and launches as usual and records
-    the launches; later calls allocate the output, take their scratch from a per-stream workspace (or the
-    CUDA graph's pool while one is captured) and call the compiled kernels' launchers directly. On CUDA the
+    the launches; later calls allocate the output, take their scratch from the stream's workspace where
+    :func:`prewarm` reserved one big enough (else, and while a CUDA graph is captured, allocate it) and call the compiled kernels' launchers directly. On CUDA the
     plan keys on the tensors' addresses and shapes and holds only the addresses: a freed layer leaves a plan
     that only a new layer of the same shapes at the same addresses reaches, and for it the plan is right."""
     dev = x.get_device()
@@ -546,11 +554,12 @@ def planned_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
 def _run_plan(plan: LinearPlan, x: torch.Tensor, dev: int) -> torch.Tensor:
     y = torch.empty(plan.y_shape, dtype=plan.y_dtype, device=x.device)
     stream = _current_stream(dev)
-    if dev < 0 or plan.nbytes > WORKSPACE_MAX_BYTES or torch.cuda.is_current_stream_capturing():
+    ws = _WORKSPACES.get((dev, stream)) if dev >= 0 else None
+    if ws is None or ws.numel() < plan.nbytes or torch.cuda.is_current_stream_capturing():
         scratch = tuple(torch.empty(shape, dtype=dtype, device=x.device) for shape, dtype, _ in plan.scratch)
         plan.replay(stream, (x, y) + scratch, keep=False)
     else:
-        plan.replay(stream, (x, y) + _scratch_views(plan, _workspace(dev, stream, plan.nbytes, x.device)))
+        plan.replay(stream, (x, y) + _scratch_views(plan, ws))
     return y
 
 
@@ -623,10 +632,11 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Optional[Iterabl
     (default :func:`prewarm_rows` of the device).
 
     Runs each distinct (shape, K, codebook, :func:`specialization`) once on random codes; returns
-    the number of launches of :func:`exl3_linear` it made. Call before CUDA-graph capture.
+    the number of launches of :func:`exl3_linear` it made, and reserves the current stream's workspace for
+    the planned calls' scratch (:func:`reserve_workspace`). Call before CUDA-graph capture.
     """
     from ..format.bits import words16_per_tile
-    n = 0
+    n = need = 0
     done = set()
     wg = _wg.available(torch.device(device))
     rows = (WGMMA_PREWARM_ROWS if wg else PREWARM_ROWS) if rows is None else tuple(rows)
@@ -640,10 +650,18 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Optional[Iterabl
             if key in done:
                 continue
             done.add(key)
-            _linear(torch.randn(r, in_p, dtype=dtype, device=device), trellis, suh, svh, codebook)   # (unplanned)
+            scratch = []
+
+            def alloc(shape, dt):
+                scratch.append(-(-_nbytes(tuple(shape), dt) // _ALIGN) * _ALIGN)
+                return torch.empty(shape, dtype=dt, device=device)
+            _linear(torch.randn(r, in_p, dtype=dtype, device=device), trellis, suh, svh, codebook, alloc=alloc)
+            need = max(need, sum(scratch))
             n += 1
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+        # scratch grows with the rows; a bucket's rows stay below twice the count prewarmed
+        reserve_workspace(device, 2 * need)
     return n
 
 
@@ -652,4 +670,4 @@ __all__ = ["exl3_linear", "gemv_rotated", "decode_fp16", "prewarm", "prewarm_row
            "PREWARM_ROWS", "WGMMA_PREWARM_ROWS", "WGMMA_MIN_ROWS", "WGMMA_MIN_ROWS_WIDE", "MMA_16_BITS", "WGMMA_MAX_ROWS",
            "WGMMA_GAP", "MMA_MAX_ROWS",
            "GEMV_MAX_ROWS", "GEMV_DISPATCH_ROWS", "interpreting", "gemv_splits", "split_buffer", "planned_linear",
-           "reset_plans", "LinearPlan", "PLANNED_PATHS", "WORKSPACE_MAX_BYTES", "MAX_PLANS"]
+           "reset_plans", "reserve_workspace", "LinearPlan", "PLANNED_PATHS", "WORKSPACE_MAX_BYTES", "MAX_PLANS"]
