@@ -534,9 +534,10 @@ def planned_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
     """:func:`exl3_linear` with default options, planned: the first call of a layer (trellis, scales,
     codebook) at a row count, dtype and device decides the path, compiles and launches as usual and records
     the launches; later calls allocate the output, take their scratch from the stream's workspace where
-    :func:`prewarm` reserved one big enough (else, and while a CUDA graph is captured, allocate it) and call the compiled kernels' launchers directly. On CUDA the
-    plan keys on the tensors' addresses and shapes and holds only the addresses: a freed layer leaves a plan
-    that only a new layer of the same shapes at the same addresses reaches, and for it the plan is right."""
+    :func:`prewarm` reserved one big enough (else, and while a CUDA graph is captured, allocate it) and call
+    the compiled kernels' launchers directly. On CUDA the plan keys on the tensors' addresses and shapes and
+    holds only the addresses: a freed layer leaves a plan that only a new layer of the same shapes at the same
+    addresses reaches, and for it the plan is right."""
     dev = x.get_device()
     if dev >= 0 and torch._C._cuda_getDevice() != dev:      # Triton launches on the current device
         with torch.cuda.device(dev):
