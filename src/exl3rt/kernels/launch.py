@@ -81,7 +81,6 @@ class Replay:
         self.steps: list[_Step] = []
         for fn, grid, args, kwargs, compiled in rec.calls:
             if direct:
-                names = [p.name for p in fn.params]
                 full = []
                 for i, p in enumerate(fn.params):
                     if i < len(args):
@@ -95,7 +94,6 @@ class Replay:
                 items = list(enumerate(full))
                 args_out, kwargs_out = full, {}
             else:
-                names = None
                 items = list(enumerate(args)) + list(kwargs.items())
                 args_out, kwargs_out = list(args), dict(kwargs)
             slots, descs = [], []

@@ -493,8 +493,8 @@ _WORKSPACES: dict = {}
 
 
 def reset_plans() -> None:
-    """Forget every plan and workspace (:func:`prewarm` reserves them again). Kernel settings (``EXL3RT_KERNEL_*``) are read when a plan is made:
-    call this after changing them in a running process."""
+    """Forget every plan and workspace (:func:`prewarm` reserves them again). Kernel settings
+    (``EXL3RT_KERNEL_*``) are read when a plan is made: call this after changing them in a running process."""
     _PLANS.clear()
     _WORKSPACES.clear()
 
@@ -525,6 +525,11 @@ def _nbytes(shape: tuple, dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+def _slot_bytes(shape: tuple, dtype: torch.dtype) -> int:
+    """A scratch buffer's room in a workspace (whole 256-byte blocks, so every buffer starts aligned)."""
+    return -(-_nbytes(shape, dtype) // _ALIGN) * _ALIGN
+
+
 def _current_stream(dev: int) -> int:
     return torch._C._cuda_getCurrentRawStream(dev) if dev >= 0 else 0
 
@@ -544,8 +549,10 @@ def planned_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
             return planned_linear(x, trellis, suh, svh, codebook)
     key = (trellis.data_ptr(), trellis.shape, trellis.dtype, suh.data_ptr(), suh.dtype, svh.data_ptr(), svh.dtype,
            x.shape, x.dtype, dev, codebook)
+    if x.data_ptr() & 15 or not x.is_contiguous():      # not what a replay's kernels were specialized on
+        return _linear(x, trellis, suh, svh, codebook)
     plan = _PLANS.get(key)
-    if plan is None or x.data_ptr() & 15 or not x.is_contiguous():
+    if plan is None:
         return _plan_call(key, x, trellis, suh, svh, codebook)
     if plan.replay is None:
         return _linear(x, trellis, suh, svh, codebook)
@@ -565,9 +572,9 @@ def _run_plan(plan: LinearPlan, x: torch.Tensor, dev: int) -> torch.Tensor:
 
 
 def _plan_call(key: tuple, x, trellis, suh, svh, codebook) -> torch.Tensor:
-    """Run the call in full; where it is plannable (a planned path, a contiguous 16-byte-aligned input, no
-    launch hook installed) record its launches as the key's plan."""
-    if not (x.dim() == 2 and x.is_contiguous() and not x.data_ptr() & 15 and direct_launch_ok()):
+    """Run the call in full; where it is plannable (a planned path, no launch hook installed) record its
+    launches as the key's plan."""
+    if not direct_launch_ok():
         return _linear(x, trellis, suh, svh, codebook)
     specs, allocated, taken = [], [], []
 
@@ -585,7 +592,7 @@ def _plan_call(key: tuple, x, trellis, suh, svh, codebook) -> torch.Tensor:
     scratch, off = [], 0
     for shape, dtype in specs:
         scratch.append((shape, dtype, off))
-        off += -(-_nbytes(shape, dtype) // _ALIGN) * _ALIGN
+        off += _slot_bytes(shape, dtype)
     direct = x.device.type == "cuda" and not interpreting()
     if direct and any(call[-1] is None for call in rec.calls):
         return y           # a launch returned no compiled kernel (a stand-in for one): nothing to replay
@@ -654,7 +661,7 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Optional[Iterabl
             scratch = []
 
             def alloc(shape, dt):
-                scratch.append(-(-_nbytes(tuple(shape), dt) // _ALIGN) * _ALIGN)
+                scratch.append(_slot_bytes(tuple(shape), dt))
                 return torch.empty(shape, dtype=dt, device=device)
             _linear(torch.randn(r, in_p, dtype=dtype, device=device), trellis, suh, svh, codebook, alloc=alloc)
             need = max(need, sum(scratch))
