@@ -449,3 +449,83 @@ def test_one_launch_route_packing_equals_pack_routes(t, k, e, block_m, ids_dtype
     got, want = pack_routes_fused(ids, e, block_m, emap), pack_routes(ids, e, block_m, expert_map=emap)
     for f in ("sorted_routes", "block_experts", "num_padded", "expert_counts"):
         assert torch.equal(getattr(got, f), getattr(want, f)), f
+
+
+# ---- launch plans (kernels.moe.planned_moe) ---------------------------------------------------------------------
+
+def test_planned_calls_replay_the_full_call(monkeypatch):
+    """The first call at a call shape records its six launches; the next, with new tokens, routes and weights,
+    replays them (new slot tensors put in) and gives the full call's output (bit for bit in the interpreter; on
+    a GPU the decode plan's K splits are atomic adds in any order) and the float64 loop; scratch full of
+    garbage is never read unwritten; a misaligned input runs in full; reset_plans makes the plan stale."""
+    from exl3rt.kernels import linear as kl
+    from exl3rt.kernels.moe import FUSED_LAUNCHES, planned_moe
+
+    def same(a, b):
+        return torch.equal(a, b) if DEV == "cpu" else _rel(a, b.double().cpu()) < 1e-5
+
+    _garbage_empty(monkeypatch)
+    bits = (3, 4, 3, 4)
+    experts = _experts(bits, seed=21)
+    w = MoEWeights.from_experts(tiers_from_bitrates(list(bits)), experts)
+    calls = [_inputs(1, 4, 2, seed=s, ids_dtype=torch.int32) for s in range(2)]
+    outs = [torch.empty_like(c[0]) for c in calls]     # the runtime's output rows
+    got = [planned_moe(*c, w, block_m=8, out=o) for c, o in zip(calls, outs)]
+    assert got[0] is outs[0] and got[1] is outs[1]
+    (plan,) = w.plans.values()
+    assert plan.replay is not None and len(plan.replay.steps) == FUSED_LAUNCHES
+    assert same(got[1], exl3_moe(*calls[1], w, block_m=8))
+    assert _rel(got[1], _loop(*calls[1], experts)) < 2e-3
+    x, ids, wts = calls[1]
+    odd = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:].view_as(x).copy_(x)   # 4-byte aligned
+    assert same(planned_moe(odd, ids, wts, w, block_m=8, out=torch.empty_like(x)), got[1])
+    kl.reset_plans()
+    assert same(planned_moe(*calls[0], w, block_m=8, out=torch.empty_like(x)), got[0])
+    (fresh,) = w.plans.values()
+    assert fresh is not plan
+
+
+def test_unplannable_moe_calls_run_in_full():
+    """Other activations (the torch glue) and a non-contiguous weight table are never recorded."""
+    from exl3rt.kernels.moe import planned_moe
+
+    bits = (4, 3, 3)
+    experts = _experts(bits, gated=False, shared_h=True, seed=7)
+    w = MoEWeights.from_experts(tiers_from_bitrates(list(bits)), experts, act=F.gelu)
+    x, ids, wts = _inputs(2, 3, 1, seed=3, ids_dtype=torch.int32, skip=1)
+    assert _rel(planned_moe(x, ids, wts, w, block_m=16), _loop(x, ids, wts, experts, act=F.gelu)) < 2e-3
+    assert [p.replay for p in w.plans.values()] == [None]
+    experts2 = _experts(bits, seed=8)
+    w2 = MoEWeights.from_experts(tiers_from_bitrates(list(bits)), experts2)
+    w2.down_svh = torch.stack([w2.down_svh, w2.down_svh], -1)[..., 0]       # a strided view of the same values
+    assert not w2.down_svh.is_contiguous()
+    x, ids, wts = _inputs(1, 3, 2, seed=4)
+    assert _rel(planned_moe(x, ids, wts, w2, block_m=8), _loop(x, ids, wts, experts2)) < 2e-3
+    assert [p.replay for p in w2.plans.values()] == [None]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("t,block_m", [(1, 8), (40, 32)])
+def test_planned_moe_inside_a_cuda_graph(t, block_m):
+    """A planned call captured in a CUDA graph (scratch from the graph's pool; on Hopper the 32-route blocks run
+    the wgmma launch, whose tensor descriptor is remade over the captured scratch) gives the full call's output
+    for the inputs copied in before the replay."""
+    from exl3rt.kernels.moe import planned_moe
+
+    bits = (3, 4, 3, 4)
+    experts = _experts(bits, h=256, i=256, seed=31)
+    w = MoEWeights.from_experts(tiers_from_bitrates(list(bits)), experts)
+    calls = [_inputs(t, 4, 2, h=256, seed=s) for s in range(2)]
+    for x, ids, wts in calls:
+        planned_moe(x, ids, wts, w, block_m=block_m)               # records, then replays eagerly
+    static = [c.clone() for c in calls[0]]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = planned_moe(*static, w, block_m=block_m)
+    for s, c in zip(static, calls[1]):
+        s.copy_(c)
+    g.replay()
+    torch.cuda.synchronize()
+    want = exl3_moe(*calls[1], w, block_m=block_m)
+    assert _rel(y, want.double().cpu()) < 1e-5
+    assert _rel(y, _loop(*calls[1], experts)) < 2e-3

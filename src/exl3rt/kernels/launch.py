@@ -16,12 +16,46 @@ checked on CPU.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 _local = threading.local()
+_epoch = [0]
+
+#: scratch buffers start on 256-byte boundaries in a workspace
+ALIGN = 256
+
+
+def plans_epoch() -> int:
+    """The current plan generation: a plan made in an older one is stale (settings may have changed)."""
+    return _epoch[0]
+
+
+def new_plans_epoch() -> None:
+    """Make every plan recorded so far stale (``exl3rt.kernels.reset_plans`` calls this)."""
+    _epoch[0] += 1
+
+
+def slot_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """A scratch buffer's room in a workspace (whole :data:`ALIGN`-byte blocks, so every buffer starts aligned)."""
+    return -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
+
+
+def scratch_layout(specs: Sequence[tuple]) -> tuple[tuple, int]:
+    """``((shape, dtype), ...)`` laid out one after the other: ``(((shape, dtype, byte offset), ...), bytes)``."""
+    out, off = [], 0
+    for shape, dtype in specs:
+        out.append((tuple(shape), dtype, off))
+        off += slot_bytes(shape, dtype)
+    return tuple(out), off
+
+
+def scratch_views(layout: Sequence[tuple], ws: torch.Tensor) -> tuple:
+    """The buffers of a :func:`scratch_layout` as views of the uint8 workspace ``ws``."""
+    return tuple(ws[off:off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape) for shape, dtype, off in layout)
 
 
 def launch(fn, grid, *args, **kwargs):
@@ -102,6 +136,8 @@ class Replay:
                     slot = by_ptr.get(value.data_ptr()) if value.numel() else None
                     if slot is not None:
                         slots.append((where, slot))
+                        # hold no slot tensor: the recorded call's buffers may be a CUDA graph pool's
+                        self._put(args_out, kwargs_out, where, None)
                     elif direct:      # a fixed tensor: its address (the plan's key keeps it the same)
                         self._put(args_out, kwargs_out, where, value.data_ptr())
                 elif _is_desc(value):
@@ -112,6 +148,7 @@ class Replay:
                     # graph pool's) alive
                     fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.name != "base"}
                     descs.append((where, slot, (type(value), fields)))
+                    self._put(args_out, kwargs_out, where, None)
             step = _Step(fn, (tuple(grid) + (1, 1))[:3] if direct else grid, args_out, kwargs_out, tuple(slots), tuple(descs))
             if direct:
                 step.run, step.function, step.metadata = compiled.run, compiled.function, compiled.packed_metadata
@@ -169,4 +206,5 @@ def direct_launch_ok() -> bool:
     return all(h is None or (hasattr(h, "calls") and not h.calls) for h in hooks)
 
 
-__all__ = ["launch", "Recording", "Replay", "direct_launch_ok"]
+__all__ = ["ALIGN", "launch", "Recording", "Replay", "direct_launch_ok", "new_plans_epoch", "plans_epoch",
+           "scratch_layout", "scratch_views", "slot_bytes"]

@@ -45,7 +45,8 @@ from . import mma as _mm
 from . import gemv as _g
 from . import wgmma as _wg
 from .hadamard import had as _had
-from .launch import Recording, Replay, direct_launch_ok, launch
+from .launch import (Recording, Replay, direct_launch_ok, launch, new_plans_epoch, scratch_layout, scratch_views,
+                     slot_bytes)
 
 from ._triton import HAVE_GDC, triton
 
@@ -470,7 +471,6 @@ def _linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torc
 PLANNED_PATHS = ("mma", "wgmma")   # decode + cuBLAS (and the GEMV on request) run in full every call
 WORKSPACE_MAX_BYTES = 32 << 20     # plans with more scratch than this allocate it per call (big prefills)
 MAX_PLANS = 8192                   # then the table starts over (each distinct prompt length makes one per layer)
-_ALIGN = 256
 
 
 @dataclass
@@ -497,6 +497,7 @@ def reset_plans() -> None:
     (``EXL3RT_KERNEL_*``) are read when a plan is made: call this after changing them in a running process."""
     _PLANS.clear()
     _WORKSPACES.clear()
+    new_plans_epoch()
 
 
 def reserve_workspace(device: torch.device, nbytes: int) -> None:
@@ -516,18 +517,17 @@ def reserve_workspace(device: torch.device, nbytes: int) -> None:
 def _scratch_views(plan: LinearPlan, ws: torch.Tensor) -> tuple:
     if plan.views[0] is ws:
         return plan.views[1]
-    views = tuple(ws[off:off + _nbytes(shape, dtype)].view(dtype).view(shape) for shape, dtype, off in plan.scratch)
+    views = scratch_views(plan.scratch, ws)
     plan.views = (ws, views)
     return views
 
 
-def _nbytes(shape: tuple, dtype: torch.dtype) -> int:
-    return math.prod(shape) * dtype.itemsize
-
-
-def _slot_bytes(shape: tuple, dtype: torch.dtype) -> int:
-    """A scratch buffer's room in a workspace (whole 256-byte blocks, so every buffer starts aligned)."""
-    return -(-_nbytes(shape, dtype) // _ALIGN) * _ALIGN
+def stream_workspace(dev: int) -> Optional[torch.Tensor]:
+    """The workspace :func:`prewarm` reserved for the current stream of CUDA device ``dev`` (None: none, or a
+    CUDA graph is being captured, when scratch must be allocated per call)."""
+    if dev < 0 or torch.cuda.is_current_stream_capturing():
+        return None
+    return _WORKSPACES.get((dev, _current_stream(dev)))
 
 
 def _current_stream(dev: int) -> int:
@@ -589,15 +589,12 @@ def _plan_call(key: tuple, x, trellis, suh, svh, codebook) -> torch.Tensor:
     if not taken or taken[0] not in PLANNED_PATHS:
         _remember(key, LinearPlan(tuple(y.shape), y.dtype, (), 0, None))
         return y
-    scratch, off = [], 0
-    for shape, dtype in specs:
-        scratch.append((shape, dtype, off))
-        off += _slot_bytes(shape, dtype)
+    scratch, off = scratch_layout(specs)
     direct = x.device.type == "cuda" and not interpreting()
     if direct and any(call[-1] is None for call in rec.calls):
         return y           # a launch returned no compiled kernel (a stand-in for one): nothing to replay
     replay = Replay(rec, [x, y, *allocated], direct=direct)
-    _remember(key, LinearPlan(tuple(y.shape), y.dtype, tuple(scratch), off, replay))
+    _remember(key, LinearPlan(tuple(y.shape), y.dtype, scratch, off, replay))
     return y
 
 
@@ -661,7 +658,7 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Optional[Iterabl
             scratch = []
 
             def alloc(shape, dt):
-                scratch.append(_slot_bytes(tuple(shape), dt))
+                scratch.append(slot_bytes(tuple(shape), dt))
                 return torch.empty(shape, dtype=dt, device=device)
             _linear(torch.randn(r, in_p, dtype=dtype, device=device), trellis, suh, svh, codebook, alloc=alloc)
             need = max(need, sum(scratch))
@@ -678,4 +675,5 @@ __all__ = ["exl3_linear", "gemv_rotated", "decode_fp16", "prewarm", "prewarm_row
            "PREWARM_ROWS", "WGMMA_PREWARM_ROWS", "WGMMA_MIN_ROWS", "WGMMA_MIN_ROWS_WIDE", "MMA_16_BITS", "WGMMA_MAX_ROWS",
            "WGMMA_GAP", "MMA_MAX_ROWS",
            "GEMV_MAX_ROWS", "GEMV_DISPATCH_ROWS", "interpreting", "gemv_splits", "split_buffer", "planned_linear",
+           "stream_workspace",
            "reset_plans", "reserve_workspace", "LinearPlan", "PLANNED_PATHS", "WORKSPACE_MAX_BYTES", "MAX_PLANS"]

@@ -42,7 +42,9 @@ from ..util.ints import next_pow2
 from . import mma as _mm
 from . import moe_wgmma as _mwg
 from ._triton import HAVE_TRITON, tl, triton
-from .linear import _cb_args, _kernel_bits, _pdl_args, _use_asm, _use_pdl, gemv_splits, use_halves
+from .launch import (Recording, Replay, direct_launch_ok, launch, plans_epoch, scratch_layout, scratch_views)
+from .linear import (_cb_args, _kernel_bits, _pdl_args, _use_asm, _use_pdl, gemv_splits, interpreting,
+                     stream_workspace, use_halves)
 
 MAX_TIERS = 4
 
@@ -219,7 +221,8 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
                     *, second: Optional[Sequence[torch.Tensor]] = None, nt: Optional[int] = None, num_warps: int = 1,
                     target_programs: Optional[int] = None, zero: bool = True, xfrag: bool = False,
                     routes: Optional[tuple[torch.Tensor, int]] = None, atomic: bool = False,
-                    acc: Optional[torch.Tensor] = None, pdl: bool = False) -> torch.Tensor:
+                    acc: Optional[torch.Tensor] = None, pdl: bool = False, alloc: Optional[Callable] = None
+                    ) -> torch.Tensor:
     """One tiered launch; returns the split-K partials ``z [P, splits, slots, out_p]`` (fp32) of
     ``xs[slot]·Q_{e(slot)}``. ``P = 1``, or 2 with ``second`` (a second projection of the same geometry
     and tier order, e.g. up next to gate, in the same launch): ``xs`` is then ``[slots, in_p]`` (both read
@@ -237,7 +240,8 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     splits add into one buffer, ``z [P, 1, slots, out_p]`` (``red.add``; with ``zero=False`` the caller zeroes
     the rows it will read before the launch; ``acc``: that buffer, given). ``pdl``: a programmatic dependent
     launch where the device has it (:func:`~exl3rt.kernels.linear._use_pdl`): the launch before it must be a
-    pass that waited for the packer before letting this one start (the fused passes of :func:`exl3_moe`)."""
+    pass that waited for the packer before letting this one start (the fused passes of :func:`exl3_moe`).
+    ``alloc(shape, dtype=, device=)`` makes ``torch.empty``-like partials (a launch plan's recording notes them)."""
     name = "grouped_gemv"
     nproj = 1 if second is None else 2
     in_p = xs.shape[-1]
@@ -262,14 +266,14 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     splits, k_per = gemv_splits(k_tiles, nproj * n_blocks * max_blocks, target_programs,
                                 k_multiple=max(_mm.default_unroll(b) for b in tier_bits),
                                 min_k=MIN_SPLIT_K_TILES_ATOMIC if atomic else MIN_SPLIT_K_TILES)
-    alloc = torch.zeros if zero else torch.empty
+    make = torch.zeros if zero else (alloc or torch.empty)
     shape = (nproj, 1 if atomic else splits, slots, n_tiles * 16)
     if acc is not None:
         if not atomic or tuple(acc.shape) != shape or acc.dtype != torch.float32 or not acc.is_contiguous():
             raise ValueError(f"{name}: acc must be a contiguous fp32 {list(shape)} tensor, with atomic=True")
         z = acc
     else:
-        z = alloc(shape, dtype=torch.float32, device=xs.device)
+        z = make(shape, dtype=torch.float32, device=xs.device)
     cb, mult, add = _cb_args(codebook)
     ks = [_kernel_bits(b) for b in tier_bits] + [(1, 0)] * (MAX_TIERS - len(tier_bits))
     nwl = [_mm.words_per_lane(b) for b in tier_bits] + [2] * (MAX_TIERS - len(tier_bits))
@@ -277,16 +281,16 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     stride_x = (4 if frag == 2 else 8) * in_p if frag else in_p    # int32 per row block of 8 / 16 rows, or fp16 per row
     real = routes is not None
     routes_t, numel = routes if real else (block_experts, 0)
-    _moe_mma_kernel[grid](xs, z, block_experts, descriptors, num_padded, routes_t, numel, *ws, *vs, slots, k_tiles,
-                          n_tiles, k_per, stride_x, 0 if atomic else z.stride(1), 1, n_blocks, stride_xp, z.stride(0),
-                          SHIFT=shift, ATOMIC=atomic,
-                          NTIERS=len(tier_trellis),
-                          K0A=ks[0][0], K0H=ks[0][1], N0=nwl[0], K1A=ks[1][0], K1H=ks[1][1], N1=nwl[1],
-                          K2A=ks[2][0], K2H=ks[2][1], N2=nwl[2], K3A=ks[3][0], K3H=ks[3][1], N3=nwl[3],
-                          CB=cb, MULT=mult, ADD=add, NT=ntw // warps, WARPS=warps, BLOCK_M=block_m,
-                          ASM=_use_asm(xs.device), NPROJ=nproj, XFRAG=bool(frag), MB=pass_row_blocks(block_m),
-                          REAL=real, HALVES=use_halves(xs.device, cb), num_warps=warps,
-                          **(_pdl_args(xs.device) if pdl else {}))
+    launch(_moe_mma_kernel, grid, xs, z, block_experts, descriptors, num_padded, routes_t, numel, *ws, *vs, slots,
+           k_tiles, n_tiles, k_per, stride_x, 0 if atomic else z.stride(1), 1, n_blocks, stride_xp, z.stride(0),
+           SHIFT=shift, ATOMIC=atomic,
+           NTIERS=len(tier_trellis),
+           K0A=ks[0][0], K0H=ks[0][1], N0=nwl[0], K1A=ks[1][0], K1H=ks[1][1], N1=nwl[1],
+           K2A=ks[2][0], K2H=ks[2][1], N2=nwl[2], K3A=ks[3][0], K3H=ks[3][1], N3=nwl[3],
+           CB=cb, MULT=mult, ADD=add, NT=ntw // warps, WARPS=warps, BLOCK_M=block_m,
+           ASM=_use_asm(xs.device), NPROJ=nproj, XFRAG=bool(frag), MB=pass_row_blocks(block_m),
+           REAL=real, HALVES=use_halves(xs.device, cb), num_warps=warps,
+           **(_pdl_args(xs.device) if pdl else {}))
     return z
 
 
@@ -327,6 +331,8 @@ class MoEWeights:
     expert_map: torch.Tensor
     codebook: str
     act: Callable[[torch.Tensor], torch.Tensor] = F.silu
+    #: launch plans of :func:`planned_moe` (per call shape), kept with the weights they hold addresses of
+    plans: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_experts(self) -> int:
@@ -390,31 +396,32 @@ PACK_MAX_EXPERTS = 1024
 
 
 def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor,
-                      *, pdl: bool = False) -> RoutePack:
+                      *, pdl: bool = False, alloc: Optional[Callable] = None) -> RoutePack:
     """:func:`~exl3rt.moe.routing.pack_routes` (same outputs, bit for bit) as one Triton launch when
     ``T·k <= PACK_MAX_ROUTES`` and ``E <= PACK_MAX_EXPERTS``, else the torch packer. Fresh buffers
     (``torch.empty``: the kernel writes every element). ``pdl``: a programmatic dependent launch where the
-    device has it (it lets the next launch start at once, then waits for the previous one)."""
+    device has it (it lets the next launch start at once, then waits for the previous one). ``alloc(shape,
+    dtype=, device=)`` makes the buffers."""
     from .moe_glue import _moe_pack_kernel
+    alloc = alloc or torch.empty        # looked up per call (tests put a stand-in in torch.empty)
     numel, E = int(topk_ids.numel()), int(num_experts)
     if (topk_ids.dtype not in ID_DTYPES or topk_ids.dim() != 2 or not 0 < numel <= PACK_MAX_ROUTES
             or E > PACK_MAX_EXPERTS):
         return pack_routes(topk_ids, E, block_m, expert_map=expert_map)
     dev = topk_ids.device
     cap = route_capacity(numel, E, block_m)
-    pack = RoutePack(sorted_routes=torch.empty(cap, dtype=torch.int32, device=dev),
-                     block_experts=torch.empty(cap // block_m, dtype=torch.int32, device=dev),
-                     num_padded=torch.empty(1, dtype=torch.int32, device=dev),
-                     expert_counts=torch.empty(E, dtype=torch.int32, device=dev),
+    pack = RoutePack(sorted_routes=alloc((cap,), dtype=torch.int32, device=dev),
+                     block_experts=alloc((cap // block_m,), dtype=torch.int32, device=dev),
+                     num_padded=alloc((1,), dtype=torch.int32, device=dev),
+                     expert_counts=alloc((E,), dtype=torch.int32, device=dev),
                      max_numel=numel, num_experts=E, block_m=int(block_m))
     # two sort widths only (64 or 1024 routes): a row-bucket prewarm meets both wherever they occur
     np_ = 64 if numel <= 64 else PACK_MAX_ROUTES
-    scratch = torch.empty(np_, dtype=torch.int32, device=dev)
+    scratch = alloc((np_,), dtype=torch.int32, device=dev)
     emap = expert_map if expert_map.is_contiguous() else expert_map.contiguous()
-    _moe_pack_kernel[(1,)](topk_ids.reshape(-1), emap, pack.sorted_routes, pack.block_experts, pack.num_padded,
-                           pack.expert_counts, scratch, numel, int(emap.shape[0]), E, cap, pack.max_blocks,
-                           NP=np_, EP=next_pow2(E), FB=256, BLOCK_M=int(block_m), num_warps=4,
-                           **(_pdl_args(dev) if pdl else {}))
+    launch(_moe_pack_kernel, (1,), topk_ids.reshape(-1), emap, pack.sorted_routes, pack.block_experts,
+           pack.num_padded, pack.expert_counts, scratch, numel, int(emap.shape[0]), E, cap, pack.max_blocks,
+           NP=np_, EP=next_pow2(E), FB=256, BLOCK_M=int(block_m), num_warps=4, **(_pdl_args(dev) if pdl else {}))
     return pack
 
 
@@ -485,10 +492,11 @@ def default_glue(block_m: int) -> GlueLaunch:
 
 def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MoEWeights, block_m: int,
            nt: Optional[int], num_warps: int, out: Optional[torch.Tensor], target_programs: Optional[int],
-           glue: GlueLaunch) -> torch.Tensor:
+           glue: GlueLaunch, alloc: Optional[Callable] = None) -> torch.Tensor:
     """Six Triton launches: pack (one program; the torch packer past PACK_MAX_ROUTES), pre, gate+up, mid,
     down, post (kernels/moe_glue.py)."""
     from .moe_glue import _moe_mid_kernel, _moe_post_kernel, _moe_pre_kernel
+    alloc = alloc or torch.empty
     T, H = x.shape
     k = int(topk_ids.shape[1])
     numel = T * k
@@ -496,7 +504,7 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     use_wg = glue.wgmma and _mwg.applies(dev, block_m)
     pdl = T <= glue.pdl_max_rows and not use_wg and _use_pdl(dev)
     pd = _pdl_args(dev) if pdl else {}
-    pack = pack_routes_fused(topk_ids, w.num_experts, block_m, w.expert_map, pdl=pdl)
+    pack = pack_routes_fused(topk_ids, w.num_experts, block_m, w.expert_map, pdl=pdl, alloc=alloc)
     slots = pack.capacity
     I = int(w.up[0].shape[2]) * 16
     if H % 128 or I % 128:
@@ -507,50 +515,50 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     two = gated and w.gate_suh is not w.up_suh
     up_suh = w.up_suh.contiguous()
     gate_suh = w.gate_suh.contiguous() if two else up_suh
-    xs = torch.empty((2 if two else 1, slots, H), dtype=torch.float16, device=dev)
-    pos = torch.empty(max(numel, 1), dtype=torch.int32, device=dev)
+    xs = alloc((2 if two else 1, slots, H), dtype=torch.float16, device=dev)
+    pos = alloc((max(numel, 1),), dtype=torch.int32, device=dev)
     frag = frag_blocks(block_m) if glue.frag and not use_wg else 0
     # 8-route blocks: the K splits add into one buffer per launch, whose live rows the pass before zeroes
     atomic = glue.atomic and block_m <= 8 and not use_wg and not env.KERNEL_DETERMINISTIC.get()
     nproj = 2 if gated else 1
-    zgu = torch.empty((nproj, 1, slots, I), dtype=torch.float32, device=dev) if atomic else None
+    zgu = alloc((nproj, 1, slots, I), dtype=torch.float32, device=dev) if atomic else None
     zz = {"zz_ptr": zgu, "zz_n": I, "zz_pstride": slots * I, "ZNP": nproj} if atomic else {}
     # row blocks and split loads are fixed (never a function of T): one specialization per layer geometry,
     # so a prewarm at any row count covers every T
     br = glue.pre_rows
-    _moe_pre_kernel[(triton.cdiv(slots, br), H // 128)](
-        x, pack.sorted_routes, pack.block_experts, pack.num_padded, up_suh, gate_suh, xs, pos,
-        slots, numel, k, H, x.stride(0), _row_stride(up_suh), _row_stride(gate_suh), slots * H, int(two),
+    launch(
+        _moe_pre_kernel, (triton.cdiv(slots, br), H // 128),
+        x, pack.sorted_routes, pack.block_experts, pack.num_padded, up_suh, gate_suh, xs, pos, slots, numel, k, H, x.stride(0), _row_stride(up_suh), _row_stride(gate_suh), slots * H, int(two),
         BR=br, BLOCK_M=block_m, FRAG=frag, num_warps=glue.pre_warps, **zz, **pd)
 
     common = (pack.block_experts, pack.num_padded, w.descriptors, w.shift, block_m, w.codebook)
-    tiered = dict(nt=nt, num_warps=num_warps, target_programs=target_programs, zero=False, xfrag=frag > 0,
-                  routes=(pack.sorted_routes, numel) if glue.skip_padding else None, atomic=atomic, pdl=pdl)
+    opts = dict(nt=nt, num_warps=num_warps, target_programs=target_programs, zero=False, xfrag=frag > 0,
+                routes=(pack.sorted_routes, numel) if glue.skip_padding else None, atomic=atomic, pdl=pdl)
 
-    def launch(xin: torch.Tensor, tiers: list[torch.Tensor], second: Optional[list[torch.Tensor]] = None,
+    def tiered(xin: torch.Tensor, tiers: list[torch.Tensor], second: Optional[list[torch.Tensor]] = None,
                acc: Optional[torch.Tensor] = None):
         if use_wg:
-            return _mwg.tiered_partials_wgmma(xin, tiers, *common, second=second)
-        return tiered_partials(xin, tiers, *common, second=second, acc=acc, **tiered)
+            return _mwg.tiered_partials_wgmma(xin, tiers, *common, second=second, alloc=alloc)
+        return tiered_partials(xin, tiers, *common, second=second, acc=acc, alloc=alloc, **opts)
 
     if gated:   # gate and up in one launch: partials zgu[0] gate, zgu[1] up
-        zgu = launch(xs if two else xs[0], w.gate, w.up, acc=zgu)
+        zgu = tiered(xs if two else xs[0], w.gate, w.up, acc=zgu)
     else:
-        zgu = launch(xs[0], w.up, acc=zgu)
+        zgu = tiered(xs[0], w.up, acc=zgu)
     splits = int(zgu.shape[1])
     up_svh = w.up_svh.contiguous()
     gate_svh = w.gate_svh.contiguous() if gated else up_svh
     down_suh = w.down_suh.contiguous()
-    hs = torch.empty((slots, I), dtype=torch.float16, device=dev)
-    zd = torch.empty((1, 1, slots, H), dtype=torch.float32, device=dev) if atomic else None
+    hs = alloc((slots, I), dtype=torch.float16, device=dev)
+    zd = alloc((1, 1, slots, H), dtype=torch.float32, device=dev) if atomic else None
     brm = glue.mid_rows
-    _moe_mid_kernel[(triton.cdiv(slots, brm), I // 128)](
-        zgu, pack.sorted_routes, pack.block_experts, pack.num_padded, gate_svh, up_svh, down_suh, hs, slots, numel,
-        I, splits, zgu.stride(1), zgu.stride(0), _row_stride(gate_svh), _row_stride(up_svh), _row_stride(down_suh),
+    launch(
+        _moe_mid_kernel, (triton.cdiv(slots, brm), I // 128),
+        zgu, pack.sorted_routes, pack.block_experts, pack.num_padded, gate_svh, up_svh, down_suh, hs, slots, numel, I, splits, zgu.stride(1), zgu.stride(0), _row_stride(gate_svh), _row_stride(up_svh), _row_stride(down_suh),
         GATED=gated, BR=brm, SB=1 if atomic else glue.mid_splits, BLOCK_M=block_m, FRAG=frag,
         num_warps=glue.mid_warps, **({"zz_ptr": zd, "zz_n": H, "ZERO_D": True} if atomic else {}), **pd)
 
-    zd = launch(hs, w.down, acc=zd)[0]
+    zd = tiered(hs, w.down, acc=zd)[0]
     splits = int(zd.shape[0])
     down_svh = w.down_svh.contiguous()
     wts = topk_weights.reshape(-1)
@@ -561,7 +569,8 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     kp = next_pow2(k)
     wp = glue.post_warps or (1 if kp <= 2 else 4)
     sbp = glue.post_splits
-    _moe_post_kernel[(T, H // 128)](
+    launch(
+        _moe_post_kernel, (T, H // 128),
         zd, pack.sorted_routes, pos, pack.block_experts, wts, down_svh, y, numel, k, H, splits, zd.stride(0),
         _row_stride(down_svh), slots, KP=kp, SB=sbp, BLOCK_M=block_m, num_warps=wp, **pd)
     if out is not None and y is not out:
@@ -573,7 +582,7 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
 def exl3_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MoEWeights, *,
              block_m: int = 16, nt: Optional[int] = None, num_warps: int = 1, fused: bool = True,
              out: Optional[torch.Tensor] = None, target_programs: Optional[int] = None,
-             glue: Optional[GlueLaunch] = None) -> torch.Tensor:
+             glue: Optional[GlueLaunch] = None, alloc: Optional[Callable] = None) -> torch.Tensor:
     """``y[t] = Σ_s topk_weights[t, s] · expert_{topk_ids[t, s]}(x[t])`` (see the module docstring).
 
     ``fused=True`` (default): six Triton launches — route packing in one program (the torch packer past
@@ -582,18 +591,124 @@ def exl3_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     torch glue around three tiered launches (the reference the fused passes are tested against). Both are
     CUDA-graph capturable. ``out`` (``[T, H]``, x's dtype): written and returned. ``target_programs``
     (split-K of the tiered launches) and ``glue`` (:class:`GlueLaunch`, the fused passes; default
-    :func:`default_glue`): tuning overrides.
+    :func:`default_glue`): tuning overrides. ``alloc(shape, dtype=, device=)``: makes the fused path's scratch
+    buffers (``torch.empty``; :func:`planned_moe` notes them).
     """
     if x.shape[0] == 0:
         y = x.new_zeros(x.shape)
         return out.copy_(y) if out is not None else y
     if fused and fused_glue_supported(w):
         return _fused(x, topk_ids, topk_weights, w, block_m, nt, num_warps, out, target_programs,
-                      glue or default_glue(block_m))
+                      glue or default_glue(block_m), alloc)
     y = _unfused(x, topk_ids, topk_weights, w, block_m, nt, num_warps)
     if out is not None:
         out.copy_(y)
         return out
+    return y
+
+
+#: launches of one fused call whose routes the one-program packer takes (pack, pre, gate+up, mid, down, post)
+FUSED_LAUNCHES = 6
+
+
+@dataclasses.dataclass
+class MoEPlan:
+    """One layer's fused call at one call shape: the plan generation it was made in, the scratch buffers
+    (shapes, dtypes, offsets in a workspace) and the recorded launches (None: the call runs in full)."""
+    epoch: int
+    scratch: tuple
+    nbytes: int
+    replay: Optional[Replay]
+    views: tuple = (None, ())
+
+
+def _aligned(*ts: Optional[torch.Tensor]) -> bool:
+    """Contiguous and 16-byte aligned: what the recorded kernels were specialized on for a slot tensor."""
+    return all(t is None or (t.is_contiguous() and not t.data_ptr() & 15) for t in ts)
+
+
+def planned_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: MoEWeights, *,
+                block_m: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`exl3_moe` with the default launch settings, planned: the first call with these weights at a call
+    shape (tokens, top-k, dtypes, route block, device) runs in full and records its six launches; later calls
+    replay them through the compiled kernels' launchers (no argument binding), with the scratch buffers taken
+    from the stream's workspace where :func:`~exl3rt.kernels.linear.prewarm` reserved one big enough (else, and
+    while a CUDA graph is captured, allocated). Plans live in ``w.plans`` (the addresses they hold are the
+    weights'); ``exl3rt.kernels.reset_plans`` makes them stale. Calls the packer cannot take in one program,
+    other activations and inputs that are not contiguous and 16-byte aligned run in full."""
+    dev = x.get_device()
+    if dev >= 0 and torch._C._cuda_getDevice() != dev:      # Triton launches on the current device
+        with torch.cuda.device(dev):
+            return planned_moe(x, topk_ids, topk_weights, w, block_m=block_m, out=out)
+    if out is not None and (out.dtype != x.dtype or tuple(out.shape) != tuple(x.shape)):
+        return exl3_moe(x, topk_ids, topk_weights, w, block_m=block_m, out=out)
+    key = (tuple(x.shape), x.dtype, tuple(topk_ids.shape), topk_ids.dtype, topk_weights.dtype, int(block_m), dev,
+           out is None)
+    plan = w.plans.get(key)
+    if plan is not None and plan.epoch == plans_epoch():
+        if plan.replay is None or not _aligned(x, topk_ids, topk_weights, out):
+            return exl3_moe(x, topk_ids, topk_weights, w, block_m=block_m, out=out)
+        y = out if out is not None else torch.empty_like(x)
+        stream = torch._C._cuda_getCurrentRawStream(dev) if dev >= 0 else 0
+        ws = stream_workspace(dev)
+        if ws is None or ws.numel() < plan.nbytes:
+            scratch = tuple(torch.empty(shape, dtype=dtype, device=x.device) for shape, dtype, _ in plan.scratch)
+            plan.replay(stream, (x, topk_ids, topk_weights, y) + scratch, keep=False)
+        else:
+            if plan.views[0] is not ws:
+                plan.views = (ws, scratch_views(plan.scratch, ws))
+            plan.replay(stream, (x, topk_ids, topk_weights, y) + plan.views[1])
+        return y
+    return _plan_moe(key, x, topk_ids, topk_weights, w, block_m, out)
+
+
+def _plannable(x, topk_ids, topk_weights, w: MoEWeights, out) -> bool:
+    """A fused call whose every tensor is a slot (inputs, output, scratch) or one of the weights' own, unchanged
+    between calls: the one-program packer, SiLU, no copy made of a weight table or of an input."""
+    numel = int(topk_ids.numel())
+    tables = (w.up_suh, w.up_svh, w.down_suh, w.down_svh, w.gate_suh, w.gate_svh, w.expert_map)
+    return (fused_glue_supported(w) and x.shape[0] > 0 and topk_ids.dim() == 2 and topk_ids.dtype in ID_DTYPES
+            and 0 < numel <= PACK_MAX_ROUTES and w.num_experts <= PACK_MAX_EXPERTS
+            and _aligned(x, topk_ids, topk_weights, out) and all(t is None or t.is_contiguous() for t in tables)
+            and direct_launch_ok())
+
+
+def _inner_views(rec: Recording, slots: list) -> bool:
+    """A recorded tensor argument points inside a slot tensor but not at its start: a replay would keep that
+    address fixed (it matches slots by their first byte)."""
+    starts = {t.data_ptr() for t in slots}
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in slots]
+    for _, _, args, kwargs, _ in rec.calls:
+        for v in (*args, *kwargs.values()):
+            if isinstance(v, torch.Tensor) and v.numel() and v.data_ptr() not in starts:
+                if any(a <= v.data_ptr() < b for a, b in spans):
+                    return True
+    return False
+
+
+def _plan_moe(key: tuple, x, topk_ids, topk_weights, w: MoEWeights, block_m: int, out) -> torch.Tensor:
+    if not _plannable(x, topk_ids, topk_weights, w, out):
+        w.plans[key] = MoEPlan(plans_epoch(), (), 0, None)
+        return exl3_moe(x, topk_ids, topk_weights, w, block_m=block_m, out=out)
+    specs, allocated = [], []
+
+    def alloc(shape, dtype, device):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        specs.append((tuple(shape), dtype))
+        allocated.append(t)
+        return t
+
+    y = out if out is not None else torch.empty_like(x)
+    with Recording() as rec:
+        exl3_moe(x, topk_ids, topk_weights, w, block_m=block_m, out=y, alloc=alloc)
+    direct = x.device.type == "cuda" and not interpreting()
+    slots = [x, topk_ids, topk_weights, y, *allocated]
+    replay = None
+    if (len(rec.calls) == FUSED_LAUNCHES and not (direct and any(call[-1] is None for call in rec.calls))
+            and not _inner_views(rec, slots)):
+        replay = Replay(rec, slots, direct=direct)
+    layout, nbytes = scratch_layout(specs)
+    w.plans[key] = MoEPlan(plans_epoch(), layout, nbytes, replay)
     return y
 
 
@@ -636,5 +751,6 @@ def _unfused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     return y[:T].to(x.dtype)
 
 
-__all__ = ["GlueLaunch", "MoEWeights", "default_glue", "exl3_moe", "frag_blocks", "fused_glue_supported", "grouped_gemv", "pack_routes_fused", "tiered_partials",
+__all__ = ["GlueLaunch", "MoEPlan", "MoEWeights", "default_glue", "exl3_moe", "planned_moe", "frag_blocks",
+           "fused_glue_supported", "grouped_gemv", "pack_routes_fused", "tiered_partials", "FUSED_LAUNCHES",
            "MAX_TIERS", "PACK_MAX_ROUTES"]

@@ -18,11 +18,12 @@ are checked on the H200 against the mma launch and float64.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from . import wgmma as _wg
+from .launch import launch
 from .wgmma import HAVE_GLUON, KC, WARPS
 
 #: route blocks the wgmma launch takes (the wgmma's N; TMA boxes of [block, 64] x' rows), and per block (x' buffers,
@@ -136,10 +137,11 @@ def applies(device: torch.device, block_m: int) -> bool:
 def tiered_partials_wgmma(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], block_experts: torch.Tensor,
                           num_padded: torch.Tensor, descriptors: torch.Tensor, shift: int, block_m: int,
                           codebook: str, *, second: Optional[Sequence[torch.Tensor]] = None,
-                          target_programs: int = TARGET_PROGRAMS) -> torch.Tensor:
+                          target_programs: int = TARGET_PROGRAMS, alloc: Optional[Callable] = None) -> torch.Tensor:
     """:func:`exl3rt.kernels.moe.tiered_partials` (``zero=False``) on the wgmma kernel: ``xs`` row-major fp16
     ``[slots, in_p]`` or ``[2, slots, in_p]`` (one input per projection with ``second``); returns fp32
-    partials ``[P, splits, slots, out_p]`` (rows of slots outside live blocks unwritten)."""
+    partials ``[P, splits, slots, out_p]`` (rows of slots outside live blocks unwritten). ``alloc(shape, dtype=,
+    device=)`` makes the partials (a launch plan's recording notes them)."""
     from ..format.bits import bits_from_trellis
     from .moe import _tier_words
     name = "tiered_partials_wgmma"
@@ -157,14 +159,14 @@ def tiered_partials_wgmma(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor]
     xrow_p = slots if xs.dim() == 3 and xs.shape[0] > 1 else 0
     n_groups, max_blocks = n_tiles // WARPS, int(block_experts.shape[0])
     splits, k_per = _wg.wgmma_splits(k_tiles, nproj * n_groups * max(1, max_blocks), target_programs)
-    z = torch.empty((nproj, splits, slots, n_tiles * 16), dtype=torch.float32, device=xs.device)
+    z = (alloc or torch.empty)((nproj, splits, slots, n_tiles * 16), dtype=torch.float32, device=xs.device)
     if max_blocks == 0:
         return z
     desc = _wg.TensorDescriptor.from_tensor(xs.view(-1, in_p), [block_m, KC * 16], _wg._x_layout(block_m))
-    _moe_wgmma_kernel[(nproj * n_groups, max_blocks, splits)](
-        desc, z, block_experts, descriptors, num_padded, *ws, *vs, slots, k_tiles, n_tiles, k_per, z.stride(1),
-        z.stride(0), xrow_p, 1, n_groups, SHIFT=shift, num_warps=WARPS,
-        **kernel_constants([bits_from_trellis(tr[0]) for tr in tier_trellis], codebook, block_m, nproj))
+    launch(_moe_wgmma_kernel, (nproj * n_groups, max_blocks, splits),
+           desc, z, block_experts, descriptors, num_padded, *ws, *vs, slots, k_tiles, n_tiles, k_per, z.stride(1),
+           z.stride(0), xrow_p, 1, n_groups, SHIFT=shift, num_warps=WARPS,
+           **kernel_constants([bits_from_trellis(tr[0]) for tr in tier_trellis], codebook, block_m, nproj))
     return z
 
 

@@ -4,7 +4,8 @@
 stacks of the trellis, rotation tables in combined order, descriptors): ``layer.weights`` is either a
 ``MoEWeights`` or one ``{"gate_proj", "up_proj", "down_proj"} -> EXL3 linear`` dict per global expert.
 ``run`` packs the routes with the plan's ``block_m`` and runs :func:`~exl3rt.kernels.moe.exl3_moe` (fused
-passes: pack, pre, gate+up, mid, down, post) into the runtime's output rows.
+passes: pack, pre, gate+up, mid, down, post) into the runtime's output rows, through its launch plan
+(:func:`~exl3rt.kernels.moe.planned_moe`: recorded once per call shape, then replayed).
 ``warmup(rows, ids_dtype)`` compiles the launch's kernel specializations on a dummy layer of the same
 geometry (K per tier, H, I, expert count, descriptor width, block_m; every expert of a tier shares one
 stack entry) — no specialization depends on the row count within a bucket or on the weights — and returns
@@ -92,8 +93,8 @@ class TritonMoELaunch:
 
     def run(self, binding: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             out: torch.Tensor) -> None:
-        from ..kernels.moe import exl3_moe
-        exl3_moe(x, topk_ids, topk_weights, binding, block_m=self.plan.block_for(x.shape[0]), out=out)
+        from ..kernels.moe import planned_moe
+        planned_moe(x, topk_ids, topk_weights, binding, block_m=self.plan.block_for(x.shape[0]), out=out)
 
 
 def triton_launch_factory(key: RuntimeKey, plan: Plan, arena: ScratchArena) -> TritonMoELaunch:
