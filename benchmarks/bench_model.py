@@ -1,7 +1,8 @@
 """Whole models in transformers on the GPU: EXL3 (random codes, no encoding) beside BF16 in the same run.
 
     python benchmarks/bench_model.py --model llama8b --bits 4
-    python benchmarks/bench_model.py --model qwen3moe --layers 16          # mixed K3/K4 experts
+    python benchmarks/bench_model.py --model llama8b --bits 2 3 6          # one BF16 row, then one row per K
+    python benchmarks/bench_model.py --model qwen3moe --layers 16 --profile  # mixed K3/K4 experts; GPU time by kernel
 
 The model is built from a config with random BF16 weights on the GPU and timed; then every decoder linear (and
 every expert) is replaced in place by EXL3 codes (``quantize_model`` with the encoder swapped for random codes
@@ -117,6 +118,21 @@ def timed(fn, iters: int, warmup: int = 3) -> float:
     return times[len(times) // 2]
 
 
+def profile(fn, label: str, top: int = 12) -> None:
+    """GPU time of one call of ``fn`` by kernel name (the top ``top``), and the sum over all kernels."""
+    from torch.profiler import ProfilerActivity, profile as prof
+    fn()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    evs = [e for e in p.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in evs)
+    print(f"{label}: GPU kernel time {total / 1e3:.2f} ms in {sum(e.count for e in evs)} launches")
+    for e in sorted(evs, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"  {e.self_device_time_total / 1e3:8.3f} ms {e.count:6d}x  {e.key[:90]}")
+
+
 def measure(model, args, label: str) -> dict:
     out: dict = {}
     vocab = model.config.vocab_size
@@ -127,6 +143,11 @@ def measure(model, args, label: str) -> dict:
         if "eager" in args.modes:
             out["forward eager ms"] = timed(lambda: model(one, use_cache=False), args.iters)
             print(f"{label}: forward eager {out['forward eager ms']:.2f} ms", flush=True)
+        if args.profile:
+            try:
+                profile(lambda: model(one, use_cache=False), label)
+            except Exception as exc:    # the profiler is a diagnostic; the timings go on without it
+                print(f"{label}: profile failed: {exc!r}")
         if "graph" in args.modes:     # the whole one-token forward captured by hand in one CUDA graph
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -187,7 +208,8 @@ def measure(model, args, label: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(CONFIGS), default="llama8b")
-    ap.add_argument("--bits", type=int, default=4, help="K of the dense model's linears")
+    ap.add_argument("--bits", type=int, nargs="+", default=[4],
+                    help="K of the dense model's linears; several: one EXL3 row each, beside one BF16 row")
     ap.add_argument("--layers", type=int, default=None, help="fewer decoder layers than the real model")
     ap.add_argument("--modes", nargs="+", default=["eager", "graph", "compiled"],
                     help="one-token forward modes: eager, graph (captured by hand), compiled (reduce-overhead)")
@@ -196,6 +218,8 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--prefill", type=int, default=2048, help="prefill tokens (0: skip)")
     ap.add_argument("--skip-bf16", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print where the GPU time of one eager one-token forward goes (top kernels)")
     args = ap.parse_args()
 
     model = build(args.model, args.layers)
@@ -203,20 +227,29 @@ def main() -> int:
     if not args.skip_bf16:
         rows["bf16"] = measure(model, args, "bf16")
     moe = args.model == "qwen3moe"
-    t0 = time.perf_counter()
-    to_exl3(model, args.bits, moe)
-    label = "exl3 K3/K4 experts" if moe else f"exl3 K{args.bits}"
-    print(f"{label}: codes installed in {time.perf_counter() - t0:.0f} s", flush=True)
-    rows[label] = measure(model, args, label)
+    for i, bits in enumerate([3] if moe else args.bits):
+        if i:       # a fresh BF16 model for the next K (the codes replace the linears in place)
+            del model
+            torch.cuda.empty_cache()
+            model = build(args.model, args.layers)
+        t0 = time.perf_counter()
+        to_exl3(model, bits, moe)
+        label = "exl3 K3/K4 experts" if moe else f"exl3 K{bits}"
+        print(f"{label}: codes installed in {time.perf_counter() - t0:.0f} s", flush=True)
+        rows[label] = measure(model, args, label)
 
     keys = sorted({k for r in rows.values() for k in r})
     print(f"\n{args.model} ({model.config.num_hidden_layers} layers), {torch.cuda.get_device_name()}")
-    print(f"{'':<26}" + "".join(f"{name:>22}" for name in rows) + ("   ratio" if len(rows) == 2 else ""))
+    names = list(rows)
+    base = rows.get("bf16")
+    print(f"{'':<26}" + "".join(f"{name:>20}" for name in names)
+          + ("".join(f"{'/bf16 ' + n.split()[-1]:>12}" for n in names[1:]) if base else ""))
     for k in keys:
-        vals = [rows[name].get(k) for name in rows]
-        line = f"{k:<26}" + "".join(f"{v:>22.3f}" if v is not None else f"{'-':>22}" for v in vals)
-        if len(vals) == 2 and None not in vals and vals[0]:
-            line += f"   {vals[1] / vals[0]:.2f}x"
+        vals = [rows[name].get(k) for name in names]
+        line = f"{k:<26}" + "".join(f"{v:>20.3f}" if v is not None else f"{'-':>20}" for v in vals)
+        if base:
+            line += "".join(f"{v / vals[0]:>11.2f}x" if v is not None and vals[0] else f"{'-':>12}"
+                            for v in vals[1:])
         print(line)
     write_json(Path(__file__).resolve().parent / "results" / f"model_{args.model}.json", {
         "date": datetime.date.today().isoformat(), "commit": commit(), "device": torch.cuda.get_device_name(),

