@@ -27,7 +27,7 @@ from exl3rt.kernels.moe import (GlueLaunch, MoEWeights, default_glue, exl3_moe, 
                                 grouped_gemv, pack_routes_fused, tiered_partials)
 from exl3rt.moe import MoELayerRuntime, MoERuntimeCache, MoESettings, Owner  # noqa: E402
 from exl3rt.moe.reference import DenseExpert, reference_launch_factory  # noqa: E402
-from exl3rt.moe.routing import pack_routes  # noqa: E402
+from exl3rt.kernels.routing import pack_routes  # noqa: E402
 from exl3rt.moe.tiers import tiers_from_bitrates  # noqa: E402
 from exl3rt.moe.triton_launch import triton_launch_factory  # noqa: E402
 

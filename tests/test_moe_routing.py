@@ -1,4 +1,4 @@
-"""exl3rt.moe.routing: route packing against a brute-force Python packer."""
+"""exl3rt.kernels.routing: route packing against a brute-force Python packer."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from exl3rt.format.reconstruct import decode  # noqa: E402
 from exl3rt.kernels import moe_wgmma as mw  # noqa: E402
 from exl3rt.kernels import wgmma as wg  # noqa: E402
 from exl3rt.kernels.moe import GlueLaunch, MoEWeights, exl3_moe, tiered_partials  # noqa: E402
-from exl3rt.moe.routing import pack_routes  # noqa: E402
+from exl3rt.kernels.routing import pack_routes  # noqa: E402
 from exl3rt.moe.tiers import tiers_from_bitrates  # noqa: E402
 
 ON_HOPPER = wg.available(torch.device(DEV))

@@ -1,7 +1,9 @@
 """Triton kernels for EXL3 linears: ``gemv.py`` (the decode, FFMA GEMV, decode to fp16), ``mma.py`` (warp-level
 tensor-core GEMV), ``wgmma.py`` (Hopper GEMM), ``hadamard.py`` (rotations), ``linear.py`` (dispatch) and
 ``ops.py`` (the ``torch.ops.exl3rt.*`` custom ops the modules call), ``launch.py`` (launches recorded once and
-replayed without the JIT's per-call work: :func:`planned_linear`).
+replayed without the JIT's per-call work: :func:`planned_linear`), ``moe.py`` / ``moe_glue.py`` /
+``moe_wgmma.py`` (the MoE layer's launches) and ``routing.py`` (route packing in torch, which ``exl3rt.moe``
+builds on).
 
 The names below load ``linear.py`` (and Triton) on first use, so that registering the custom ops stays light.
 """

@@ -1,7 +1,7 @@
 """Mixed-bitrate EXL3 MoE on the GPU: each projection of every tier in one launch (issue 6).
 
 An MoE layer's experts are grouped into tiers by bitrate (:mod:`exl3rt.moe.tiers`); routes are
-packed into blocks of ``block_m`` routes of one expert (:func:`exl3rt.moe.routing.pack_routes`,
+packed into blocks of ``block_m`` routes of one expert (:func:`exl3rt.kernels.routing.pack_routes`,
 combined expert ids). Per projection, one launch of :func:`_moe_mma_kernel` covers every block of
 every tier: program (n-tiles, block j) reads the block's expert, its descriptor word
 ``(tier << shift) | local``, and runs the tier's decoder (K is a compile-time constant per tier, so
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from .. import env
 from ..format.bits import bits_from_trellis
 from ..format.hadamard import hadamard_blocks
-from ..moe.routing import ID_DTYPES, RoutePack, pack_routes, route_capacity
+from .routing import ID_DTYPES, RoutePack, pack_routes, route_capacity
 from ..util.ints import next_pow2
 from . import mma as _mm
 from . import moe_wgmma as _mwg
@@ -397,7 +397,7 @@ PACK_MAX_EXPERTS = 1024
 
 def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor,
                       *, pdl: bool = False, alloc: Optional[Callable] = None) -> RoutePack:
-    """:func:`~exl3rt.moe.routing.pack_routes` (same outputs, bit for bit) as one Triton launch when
+    """:func:`~exl3rt.kernels.routing.pack_routes` (same outputs, bit for bit) as one Triton launch when
     ``T·k <= PACK_MAX_ROUTES`` and ``E <= PACK_MAX_EXPERTS``, else the torch packer. Fresh buffers
     (``torch.empty``: the kernel writes every element). ``pdl``: a programmatic dependent launch where the
     device has it (it lets the next launch start at once, then waits for the previous one). ``alloc(shape,

@@ -80,7 +80,7 @@ if HAVE_TRITON:
                          numel, n_map, E, cap, max_blocks,
                          NP: tl.constexpr, EP: tl.constexpr, FB: tl.constexpr, BLOCK_M: tl.constexpr,
                          PDL: tl.constexpr = False):
-        """:func:`~exl3rt.moe.routing.pack_routes` in one program (same outputs, bit for bit). The routes
+        """:func:`~exl3rt.kernels.routing.pack_routes` in one program (same outputs, bit for bit). The routes
         (NP ≥ numel, a power of two) are sorted by the key ``expert·NP + route`` (stable by construction;
         dropped routes and lanes past numel get expert EP and sort last). In sorted order, a run of one
         expert starts where the expert changes (neighbours read back from ``scratch_ptr [NP]`` after a

@@ -14,7 +14,7 @@ from .plan import (DeviceFacts, LayerGeometry, MoESettings, Plan, PlanError, Pla
                    auto_prefill_block_m, query_device_facts, resolve_policy)
 from .prewarm import moe_layers, prewarm
 from .reference import DenseExpert, ReferenceLaunch, expert_from_linears, reference_launch_factory
-from .routing import NO_EXPERT, RoutePack, max_route_blocks, pack_routes, route_capacity
+from ..kernels.routing import NO_EXPERT, RoutePack, max_route_blocks, pack_routes, route_capacity
 from .runtime import (MOE_ATTR, Launch, MoELayerRuntime, MoERuntime, MoERuntimeCache, Owner, RuntimeKey,
                       ScratchArena, attach, is_capturing, is_draft_name, scope_token)
 from .triton_launch import AutoLaunch, TritonMoELaunch, auto_launch_factory, fused_supported, triton_launch_factory

@@ -31,7 +31,7 @@ import torch
 from .. import env
 from ..format.bits import Bits
 from ..util.ints import next_pow2
-from .routing import max_route_blocks, route_capacity
+from ..kernels.routing import max_route_blocks, route_capacity
 
 DEFAULT_MAX_DECODE_M = 32
 DEFAULT_DECODE_BLOCK_M = 8
@@ -198,7 +198,7 @@ class Plan:
 
     @property
     def route_capacity(self) -> int:
-        """Padded-route slots of the arena (:func:`~exl3rt.moe.routing.route_capacity` at ``max_rows``)."""
+        """Padded-route slots of the arena (:func:`~exl3rt.kernels.routing.route_capacity` at ``max_rows``)."""
         return route_capacity(self.max_rows * self.top_k, self.num_experts, self.block_m)
 
     @property

@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from .routing import ID_DTYPES
+from ..kernels.routing import ID_DTYPES
 from .runtime import MOE_ATTR, MoELayerRuntime
 
 log = logging.getLogger("exl3rt.moe")

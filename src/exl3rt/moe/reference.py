@@ -1,6 +1,6 @@
 """Torch reference launch: the plan + route-pack + dispatch path, with the expert math in plain torch.
 
-For each live block of the packed routes (:func:`~exl3rt.moe.routing.pack_routes`, combined ids)::
+For each live block of the packed routes (:func:`~exl3rt.kernels.routing.pack_routes`, combined ids)::
 
     e      = block_experts[j]                      combined expert of block j
     r      = sorted_routes[j·b : (j+1)·b]          its routes (padding = numel, skipped)
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .plan import Plan
-from .routing import RoutePack, pack_routes
+from ..kernels.routing import RoutePack, pack_routes
 from .runtime import MoELayerRuntime, RuntimeKey, ScratchArena
 
 Expert = Callable[[torch.Tensor], torch.Tensor]

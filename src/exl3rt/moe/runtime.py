@@ -34,7 +34,7 @@ import torch
 
 from .plan import (BlockPolicy, DeviceFacts, LayerGeometry, MoESettings, Plan, PlanError, PlanPolicy,
                    auto_prefill_block_m, query_device_facts, resolve_policy)
-from .routing import ID_DTYPES, RoutePack
+from ..kernels.routing import ID_DTYPES, RoutePack
 from .op import call_moe, register as register_moe_layer
 from .tiers import TierLayout, TierRotations
 

@@ -186,7 +186,7 @@ def moe_partial(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     """``out[t] = Σ_s topk_weights[t, s] · experts[topk_ids[t, s]](x[t])`` in fp32 (fp64 if ``x`` is fp64).
 
     Ids outside ``[0, E)`` contribute nothing (the expert-parallel sentinel, as in
-    :func:`~exl3rt.moe.routing.pack_routes`). Returns the accumulator (not cast back to ``x``'s dtype).
+    :func:`~exl3rt.kernels.routing.pack_routes`). Returns the accumulator (not cast back to ``x``'s dtype).
     """
     if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
         raise TPError(f"tp_moe_forward: x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)} and topk_weights "
