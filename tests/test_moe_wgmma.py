@@ -157,9 +157,9 @@ def test_fused_path_sends_blocks_of_64_to_the_wgmma_launch(monkeypatch):
     from exl3rt.kernels.moe import default_glue
     calls = []
 
-    def stand_in(xs, tiers, *common, second=None):
+    def stand_in(xs, tiers, *common, second=None, alloc=None):
         calls.append((tuple(xs.shape), second is not None))
-        return tiered_partials(xs, tiers, *common, second=second, zero=False, nt=1, num_warps=8)
+        return tiered_partials(xs, tiers, *common, second=second, zero=False, nt=1, num_warps=8, alloc=alloc)
 
     monkeypatch.setattr(mw, "applies", lambda device, block_m: block_m in mw.SETTINGS)
     monkeypatch.setattr(mw, "tiered_partials_wgmma", stand_in)
