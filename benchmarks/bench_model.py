@@ -83,6 +83,7 @@ def to_exl3(model, bits, moe_mixed: bool):
     import exl3rt
     import exl3rt.cache.key as ck
     import exl3rt.encode.quantize as q
+    from exl3rt.integrations.generation import prepare_model
 
     q.quantize_weight = random_codes
     ck.tensor_digest = lambda t: "random"   # cache off: the key only carries the shapes here
@@ -93,10 +94,7 @@ def to_exl3(model, bits, moe_mixed: bool):
                              for i in range(model.config.num_hidden_layers)}
     cfg = exl3rt.Exl3Config(bits=3 if moe_mixed else bits, cache_mode="off", progress=False, **kw)
     summary = exl3rt.quantize_model(model, cfg, progress=False)
-    done: set = set()
-    for m in model.modules():
-        if isinstance(m, exl3rt.Exl3Linear):
-            m.prepare(torch.bfloat16, done)     # compiles every kernel specialization before any timing
+    prepare_model(model, torch.bfloat16)        # compiles every kernel specialization before any timing
     torch.cuda.synchronize()
     return summary
 

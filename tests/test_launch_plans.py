@@ -195,6 +195,18 @@ def test_direct_replay_passes_every_parameter_in_order_with_slots_as_addresses()
     assert len(fn.jit_calls) == 2          # no JIT call on replay
 
 
+def test_an_argument_inside_a_slot_cannot_be_replayed():
+    """A view that starts inside a slot tensor (not at its start) would be replayed at its recorded address while
+    the slot moves: making the replay refuses it, and the planners then run that call in full."""
+    fn = _FakeJit()
+    x, y, w = torch.zeros(4, 8), torch.zeros(4, 8), torch.ones(16)
+    with kla.Recording() as rec:
+        kla.launch(fn, (1,), x, y[1:], w, 4, 8, 16)
+    with pytest.raises(ValueError, match="inside a slot"):
+        kla.Replay(rec, [x, y], direct=True)
+    kla.Replay(rec, [x, y[1:]], direct=True)       # as a slot of its own it is fine
+
+
 def test_recordings_do_not_nest_and_launch_outside_one_records_nothing():
     fn = _FakeJit()
     kla.launch(fn, (1,), torch.zeros(1), torch.zeros(1), torch.zeros(1), 1, 1, 1)

@@ -45,14 +45,12 @@ class GenerationTiming:
 
 class _Clock:
     """A ``generate`` streamer that notes when each step's tokens reach the host (``generate`` puts the prompt
-    first, then each new token; both come as tensors whose copy to the host waits for the GPU)."""
+    first, then each new token, copied to the host: the copy waited for the GPU)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
 
     def put(self, value: Any) -> None:
-        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-            value.cpu()
         self.times.append(time.perf_counter())
 
     def end(self) -> None:
@@ -112,8 +110,7 @@ def generate_timed(model: Any, ids: torch.Tensor, max_new_tokens: int, *, fast: 
             _sync(ids.device)
             warmup = time.perf_counter() - t0
         clock = _Clock()
-        _sync(ids.device)
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()        # the GPU is idle: prepare and the warm-up ended with a sync
         out = model.generate(ids, streamer=clock, **kwargs)
         _sync(ids.device)
         end = time.perf_counter()

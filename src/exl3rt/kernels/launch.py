@@ -55,7 +55,26 @@ def scratch_layout(specs: Sequence[tuple]) -> tuple[tuple, int]:
 
 def scratch_views(layout: Sequence[tuple], ws: torch.Tensor) -> tuple:
     """The buffers of a :func:`scratch_layout` as views of the uint8 workspace ``ws``."""
-    return tuple(ws[off:off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape) for shape, dtype, off in layout)
+    return tuple(ws[off:off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                 for shape, dtype, off in layout)
+
+
+def current_stream(dev: int) -> int:
+    """The current CUDA stream of device index ``dev`` as the launchers take it (0 off CUDA, ``dev < 0``)."""
+    return torch._C._cuda_getCurrentRawStream(dev) if dev >= 0 else 0
+
+
+def run_plan(plan: Any, stream: int, head: tuple, ws: Optional[torch.Tensor], device: torch.device) -> None:
+    """Replay ``plan`` (``scratch`` layout, ``nbytes``, ``replay``, ``views``: a linear's or an MoE layer's) with
+    the call's own tensors ``head`` (input, output, ...) then its scratch: views of the workspace ``ws`` where it
+    is big enough (kept on the plan for the next call), else buffers allocated for this call."""
+    if ws is None or ws.numel() < plan.nbytes:
+        scratch = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype, _ in plan.scratch)
+        plan.replay(stream, head + scratch, keep=False)
+        return
+    if plan.views[0] is not ws:
+        plan.views = (ws, scratch_views(plan.scratch, ws))
+    plan.replay(stream, head + plan.views[1])
 
 
 def launch(fn, grid, *args, **kwargs):
@@ -105,13 +124,16 @@ class Replay:
 
     def __init__(self, rec: Recording, slot_tensors: Sequence[torch.Tensor], direct: bool):
         """``slot_tensors``: the tensors of the recorded call that change per call, by slot; an argument is put
-        in a slot when it is one of them or a view starting at the same address (the kernels see an address).
+        in a slot when it is one of them or a view starting at the same address (the kernels see an address);
+        an argument pointing elsewhere inside one cannot be replayed (ValueError, as for a tensor descriptor
+        over anything but a slot).
         ``direct``: replay through the compiled launchers (CUDA); else through ``fn[grid]`` (the interpreter)."""
         self.direct = direct
         self._last_desc: dict = {}
         by_ptr = {}
         for i, t in enumerate(slot_tensors):
             by_ptr.setdefault(t.data_ptr(), i)
+        spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in slot_tensors]
         self.steps: list[_Step] = []
         for fn, grid, args, kwargs, compiled in rec.calls:
             if direct:
@@ -134,6 +156,9 @@ class Replay:
             for where, value in items:
                 if isinstance(value, torch.Tensor):
                     slot = by_ptr.get(value.data_ptr()) if value.numel() else None
+                    if slot is None and value.numel() and any(a <= value.data_ptr() < b for a, b in spans):
+                        # a replay would keep this address fixed while the slot's buffer moves
+                        raise ValueError("a launch argument points inside a slot tensor, not at its start")
                     if slot is not None:
                         slots.append((where, slot))
                         # hold no slot tensor: the recorded call's buffers may be a CUDA graph pool's
@@ -206,5 +231,5 @@ def direct_launch_ok() -> bool:
     return all(h is None or (hasattr(h, "calls") and not h.calls) for h in hooks)
 
 
-__all__ = ["ALIGN", "launch", "Recording", "Replay", "direct_launch_ok", "new_plans_epoch", "plans_epoch",
-           "scratch_layout", "scratch_views", "slot_bytes"]
+__all__ = ["ALIGN", "launch", "Recording", "Replay", "current_stream", "direct_launch_ok", "new_plans_epoch",
+           "plans_epoch", "run_plan", "scratch_layout", "scratch_views", "slot_bytes"]

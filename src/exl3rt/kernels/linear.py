@@ -45,8 +45,8 @@ from . import mma as _mm
 from . import gemv as _g
 from . import wgmma as _wg
 from .hadamard import had as _had
-from .launch import (Recording, Replay, direct_launch_ok, launch, new_plans_epoch, scratch_layout, scratch_views,
-                     slot_bytes)
+from .launch import (Recording, Replay, current_stream, direct_launch_ok, launch, new_plans_epoch, run_plan,
+                     scratch_layout, slot_bytes)
 
 from ._triton import HAVE_GDC, triton
 
@@ -507,31 +507,19 @@ def reserve_workspace(device: torch.device, nbytes: int) -> None:
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return
     dev = device.index if device.index is not None else torch.cuda.current_device()
-    key = (dev, _current_stream(dev))
+    key = (dev, current_stream(dev))
     nbytes = min(int(nbytes), WORKSPACE_MAX_BYTES)
     ws = _WORKSPACES.get(key)
     if ws is None or ws.numel() < nbytes:
         _WORKSPACES[key] = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=device)
 
 
-def _scratch_views(plan: LinearPlan, ws: torch.Tensor) -> tuple:
-    if plan.views[0] is ws:
-        return plan.views[1]
-    views = scratch_views(plan.scratch, ws)
-    plan.views = (ws, views)
-    return views
-
-
-def stream_workspace(dev: int) -> Optional[torch.Tensor]:
-    """The workspace :func:`prewarm` reserved for the current stream of CUDA device ``dev`` (None: none, or a
-    CUDA graph is being captured, when scratch must be allocated per call)."""
+def stream_workspace(dev: int, stream: int) -> Optional[torch.Tensor]:
+    """The workspace :func:`prewarm` reserved for ``stream`` of CUDA device ``dev`` (None: none, or a CUDA graph
+    is being captured, when scratch must be allocated per call)."""
     if dev < 0 or torch.cuda.is_current_stream_capturing():
         return None
-    return _WORKSPACES.get((dev, _current_stream(dev)))
-
-
-def _current_stream(dev: int) -> int:
-    return torch._C._cuda_getCurrentRawStream(dev) if dev >= 0 else 0
+    return _WORKSPACES.get((dev, stream))
 
 
 def planned_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
@@ -561,13 +549,8 @@ def planned_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
 
 def _run_plan(plan: LinearPlan, x: torch.Tensor, dev: int) -> torch.Tensor:
     y = torch.empty(plan.y_shape, dtype=plan.y_dtype, device=x.device)
-    stream = _current_stream(dev)
-    ws = _WORKSPACES.get((dev, stream)) if dev >= 0 else None
-    if ws is None or ws.numel() < plan.nbytes or torch.cuda.is_current_stream_capturing():
-        scratch = tuple(torch.empty(shape, dtype=dtype, device=x.device) for shape, dtype, _ in plan.scratch)
-        plan.replay(stream, (x, y) + scratch, keep=False)
-    else:
-        plan.replay(stream, (x, y) + _scratch_views(plan, ws))
+    stream = current_stream(dev)
+    run_plan(plan, stream, (x, y), stream_workspace(dev, stream), x.device)
     return y
 
 
@@ -593,7 +576,10 @@ def _plan_call(key: tuple, x, trellis, suh, svh, codebook) -> torch.Tensor:
     direct = x.device.type == "cuda" and not interpreting()
     if direct and any(call[-1] is None for call in rec.calls):
         return y           # a launch returned no compiled kernel (a stand-in for one): nothing to replay
-    replay = Replay(rec, [x, y, *allocated], direct=direct)
+    try:
+        replay = Replay(rec, [x, y, *allocated], direct=direct)
+    except ValueError:      # an argument a replay cannot take: this call runs in full every time
+        replay = None
     _remember(key, LinearPlan(tuple(y.shape), y.dtype, scratch, off, replay))
     return y
 

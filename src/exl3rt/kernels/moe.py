@@ -42,7 +42,8 @@ from ..util.ints import next_pow2
 from . import mma as _mm
 from . import moe_wgmma as _mwg
 from ._triton import HAVE_TRITON, tl, triton
-from .launch import (Recording, Replay, direct_launch_ok, launch, plans_epoch, scratch_layout, scratch_views)
+from .launch import (Recording, Replay, current_stream, direct_launch_ok, launch, plans_epoch, run_plan,
+                     scratch_layout)
 from .linear import (_cb_args, _kernel_bits, _pdl_args, _use_asm, _use_pdl, gemv_splits, interpreting,
                      stream_workspace, use_halves)
 
@@ -528,7 +529,8 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     br = glue.pre_rows
     launch(
         _moe_pre_kernel, (triton.cdiv(slots, br), H // 128),
-        x, pack.sorted_routes, pack.block_experts, pack.num_padded, up_suh, gate_suh, xs, pos, slots, numel, k, H, x.stride(0), _row_stride(up_suh), _row_stride(gate_suh), slots * H, int(two),
+        x, pack.sorted_routes, pack.block_experts, pack.num_padded, up_suh, gate_suh, xs, pos, slots, numel, k, H,
+        x.stride(0), _row_stride(up_suh), _row_stride(gate_suh), slots * H, int(two),
         BR=br, BLOCK_M=block_m, FRAG=frag, num_warps=glue.pre_warps, **zz, **pd)
 
     common = (pack.block_experts, pack.num_padded, w.descriptors, w.shift, block_m, w.codebook)
@@ -554,7 +556,8 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     brm = glue.mid_rows
     launch(
         _moe_mid_kernel, (triton.cdiv(slots, brm), I // 128),
-        zgu, pack.sorted_routes, pack.block_experts, pack.num_padded, gate_svh, up_svh, down_suh, hs, slots, numel, I, splits, zgu.stride(1), zgu.stride(0), _row_stride(gate_svh), _row_stride(up_svh), _row_stride(down_suh),
+        zgu, pack.sorted_routes, pack.block_experts, pack.num_padded, gate_svh, up_svh, down_suh, hs, slots, numel, I,
+        splits, zgu.stride(1), zgu.stride(0), _row_stride(gate_svh), _row_stride(up_svh), _row_stride(down_suh),
         GATED=gated, BR=brm, SB=1 if atomic else glue.mid_splits, BLOCK_M=block_m, FRAG=frag,
         num_warps=glue.mid_warps, **({"zz_ptr": zd, "zz_n": H, "ZERO_D": True} if atomic else {}), **pd)
 
@@ -649,15 +652,8 @@ def planned_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         if plan.replay is None or not _aligned(x, topk_ids, topk_weights, out):
             return exl3_moe(x, topk_ids, topk_weights, w, block_m=block_m, out=out)
         y = out if out is not None else torch.empty_like(x)
-        stream = torch._C._cuda_getCurrentRawStream(dev) if dev >= 0 else 0
-        ws = stream_workspace(dev)
-        if ws is None or ws.numel() < plan.nbytes:
-            scratch = tuple(torch.empty(shape, dtype=dtype, device=x.device) for shape, dtype, _ in plan.scratch)
-            plan.replay(stream, (x, topk_ids, topk_weights, y) + scratch, keep=False)
-        else:
-            if plan.views[0] is not ws:
-                plan.views = (ws, scratch_views(plan.scratch, ws))
-            plan.replay(stream, (x, topk_ids, topk_weights, y) + plan.views[1])
+        stream = current_stream(dev)
+        run_plan(plan, stream, (x, topk_ids, topk_weights, y), stream_workspace(dev, stream), x.device)
         return y
     return _plan_moe(key, x, topk_ids, topk_weights, w, block_m, out)
 
@@ -671,19 +667,6 @@ def _plannable(x, topk_ids, topk_weights, w: MoEWeights, out) -> bool:
             and 0 < numel <= PACK_MAX_ROUTES and w.num_experts <= PACK_MAX_EXPERTS
             and _aligned(x, topk_ids, topk_weights, out) and all(t is None or t.is_contiguous() for t in tables)
             and direct_launch_ok())
-
-
-def _inner_views(rec: Recording, slots: list) -> bool:
-    """A recorded tensor argument points inside a slot tensor but not at its start: a replay would keep that
-    address fixed (it matches slots by their first byte)."""
-    starts = {t.data_ptr() for t in slots}
-    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in slots]
-    for _, _, args, kwargs, _ in rec.calls:
-        for v in (*args, *kwargs.values()):
-            if isinstance(v, torch.Tensor) and v.numel() and v.data_ptr() not in starts:
-                if any(a <= v.data_ptr() < b for a, b in spans):
-                    return True
-    return False
 
 
 def _plan_moe(key: tuple, x, topk_ids, topk_weights, w: MoEWeights, block_m: int, out) -> torch.Tensor:
@@ -702,11 +685,12 @@ def _plan_moe(key: tuple, x, topk_ids, topk_weights, w: MoEWeights, block_m: int
     with Recording() as rec:
         exl3_moe(x, topk_ids, topk_weights, w, block_m=block_m, out=y, alloc=alloc)
     direct = x.device.type == "cuda" and not interpreting()
-    slots = [x, topk_ids, topk_weights, y, *allocated]
     replay = None
-    if (len(rec.calls) == FUSED_LAUNCHES and not (direct and any(call[-1] is None for call in rec.calls))
-            and not _inner_views(rec, slots)):
-        replay = Replay(rec, slots, direct=direct)
+    if len(rec.calls) == FUSED_LAUNCHES and not (direct and any(call[-1] is None for call in rec.calls)):
+        try:
+            replay = Replay(rec, [x, topk_ids, topk_weights, y, *allocated], direct=direct)
+        except ValueError:  # an argument a replay cannot take: this call shape runs in full
+            pass
     layout, nbytes = scratch_layout(specs)
     w.plans[key] = MoEPlan(plans_epoch(), layout, nbytes, replay)
     return y
