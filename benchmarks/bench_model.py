@@ -3,6 +3,7 @@
     python benchmarks/bench_model.py --model llama8b --bits 4
     python benchmarks/bench_model.py --model llama8b --bits 2 3 6          # one BF16 row, then one row per K
     python benchmarks/bench_model.py --model qwen3moe --layers 16 --profile  # mixed K3/K4 experts; GPU time by kernel
+    python benchmarks/bench_model.py --bits 4 --exllamav3 /tmp/ckpt         # and exllamav3 on the same codes
 
 The model is built from a config with random BF16 weights on the GPU and timed; then every decoder linear (and
 every expert) is replaced in place by EXL3 codes (``quantize_model`` with the encoder swapped for random codes
@@ -14,6 +15,11 @@ of the right shapes: the kernels' time does not depend on the codes) and timed a
 - ``decode``: greedy tokens/s after a ``--prompt``-token prompt, static KV cache, ``generate`` compiling the
   decode step (``cache_implementation="static"``): (new tokens - 1) / (time(N new) - time(1 new));
 - ``prefill``: one ``--prefill``-token forward, eager (ms).
+
+``--exllamav3 DIR`` (when ``exllamav3`` imports): the EXL3 model is written to DIR as a checkpoint
+(``exl3rt.runtime.export.save_exl3``: the same codes, bit for bit), freed, and loaded by exllamav3, whose
+eager one-token forward (``model.forward(ids, {})``, no cache, as ours) and prefill are timed in the same
+process; its logits are compared with ours.
 
 Prints the table and writes benchmarks/results/model_<model>.json.
 """
@@ -138,6 +144,7 @@ def measure(model, args, label: str) -> dict:
     one = torch.randint(3, vocab, (1, 1), device="cuda", generator=g)
     with torch.no_grad():
         ref = model(one, use_cache=False).logits.float()
+        out["_ref"] = (one, ref)
         if "eager" in args.modes:
             out["forward eager ms"] = timed(lambda: model(one, use_cache=False), args.iters)
             print(f"{label}: forward eager {out['forward eager ms']:.2f} ms", flush=True)
@@ -203,6 +210,40 @@ def measure(model, args, label: str) -> dict:
     return out
 
 
+def measure_exllamav3(model, args, ours: dict) -> dict:
+    """exllamav3 on the codes of ``model``: written as a checkpoint, ``model`` freed, loaded, timed."""
+    from exllamav3 import Config, Model
+
+    from exl3rt.runtime.export import save_exl3
+
+    out: dict = {}
+    t0 = time.perf_counter()
+    path = save_exl3(model, args.exllamav3, overwrite=True, progress=False)
+    out["checkpoint write s"] = time.perf_counter() - t0
+    one, ref = ours["_ref"]
+    model.to("meta")
+    torch.cuda.empty_cache()
+    cfg = Config.from_directory(str(path))
+    ex = Model.from_config(cfg)
+    ex.load("cuda:0")
+    with torch.no_grad():
+        ids = one.cpu()
+        got = ex.forward(ids, {}).float().to(ref.device)[..., : ref.shape[-1]]
+        out["logits rel diff vs exl3rt"] = float((got - ref).norm() / ref.norm())
+        out["forward eager ms"] = timed(lambda: ex.forward(ids, {}), args.iters)
+        print(f"exllamav3: forward eager {out['forward eager ms']:.2f} ms (logits vs exl3rt rel "
+              f"{out['logits rel diff vs exl3rt']:.1e})", flush=True)
+        if args.prefill:
+            long = torch.randint(3, model.config.vocab_size, (1, args.prefill))
+            try:
+                out["prefill ms"] = timed(lambda: ex.forward(long, {}), max(3, args.iters // 4))
+                print(f"exllamav3: prefill {args.prefill} {out['prefill ms']:.1f} ms", flush=True)
+            except Exception as exc:      # its attention may need a cache at this length
+                print(f"exllamav3: prefill failed: {exc!r}"[:300], flush=True)
+    ex.unload()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(CONFIGS), default="llama8b")
@@ -216,6 +257,8 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--prefill", type=int, default=2048, help="prefill tokens (0: skip)")
     ap.add_argument("--skip-bf16", action="store_true")
+    ap.add_argument("--exllamav3", metavar="DIR", default=None,
+                    help="write the (last) EXL3 model to DIR and time exllamav3 on the same codes")
     ap.add_argument("--profile", action="store_true",
                     help="also print where the GPU time of one eager one-token forward goes (top kernels)")
     args = ap.parse_args()
@@ -235,6 +278,10 @@ def main() -> int:
         label = "exl3 K3/K4 experts" if moe else f"exl3 K{bits}"
         print(f"{label}: codes installed in {time.perf_counter() - t0:.0f} s", flush=True)
         rows[label] = measure(model, args, label)
+    if args.exllamav3:
+        rows["exllamav3"] = measure_exllamav3(model, args, rows[label])
+    for r in rows.values():
+        r.pop("_ref", None)
 
     keys = sorted({k for r in rows.values() for k in r})
     print(f"\n{args.model} ({model.config.num_hidden_layers} layers), {torch.cuda.get_device_name()}")

@@ -117,12 +117,17 @@ def test_from_pretrained_qwen_moe(tmp_path_factory, cache_dir):
     torch.testing.assert_close(got, logits(dequantized_copy(src, model), ids), rtol=1e-4, atol=1e-4)
 
 
-def test_save_pretrained_is_refused(tmp_path_factory, cache_dir, tmp_path, caplog):
+def test_transformers_generic_save_is_refused_and_points_at_ours(tmp_path_factory, cache_dir, tmp_path, caplog):
+    """The model's own save_pretrained writes EXL3 (tests/test_export.py); transformers' generic one, called on
+    the class, would write the online config with our buffers, so it stays refused, naming the way out."""
+    from transformers import PreTrainedModel
+
     src = llama_src(tmp_path_factory)
     model = load(src, quantization_config=hf.Exl3Config(bits=4, cache_dir=cache_dir))
     with pytest.raises(ValueError, match="not serializable"):
-        model.save_pretrained(str(tmp_path / "out"))
-    assert "exl3rt quantize" in caplog.text
+        PreTrainedModel.save_pretrained(model, str(tmp_path / "out"))
+    assert "save_exl3" in caplog.text
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("*.safetensors"))
 
 
 def test_config_errors_and_registration():

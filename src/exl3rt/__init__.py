@@ -9,6 +9,7 @@ _LAZY = {
     "quantize_model": "exl3rt.runtime.quantize_model",
     "Exl3MoE": "exl3rt.runtime.moe_module",
     "TopRouted": "exl3rt.runtime.router_stats",
+    "save_exl3": "exl3rt.runtime.export",
 }
 
 

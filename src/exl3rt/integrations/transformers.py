@@ -28,8 +28,11 @@ How the weights flow (each linear is encoded as its weight loads; the dense mode
    here: router statistics need the whole model before encoding (use ``quantize_model``).
    ``model.hf_quantizer.summary()`` tells hits/misses and which MoE path each experts module runs.
 
-``save_pretrained`` is refused (``is_serializable`` is False): the codes live in the exl3rt cache; write
-an EXL3 checkpoint with ``exl3rt quantize`` instead.
+``model.save_pretrained(dir)`` writes an EXL3 checkpoint (:func:`exl3rt.runtime.export.save_exl3`: the
+codes bit for bit, in exllamav3's layout, with ``quant_method: exl3``) and the generation config: the
+model's own ``save_pretrained`` is replaced by that one when loading ends. transformers' generic path
+(``PreTrainedModel.save_pretrained`` called on the class) stays refused: it would write our buffers with the
+online config, which no loader reads as a checkpoint.
 
 A weight the encoder refuses (NaN/inf values, a bad shape: :class:`exl3rt.encode.errors.EncodeError`) fails
 the load, and fast: transformers collects conversion errors, loads on and raises one ``RuntimeError`` with its
@@ -43,7 +46,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
+import types
 from typing import Any, Iterator, Optional
 
 import torch
@@ -58,12 +63,14 @@ from ..runtime.config import QUANT_METHOD
 from ..runtime.config import Exl3Config as RuntimeExl3Config
 from ..runtime.config import Exl3ConfigError as RuntimeExl3ConfigError
 from ..runtime.experts import Exl3Experts
+from ..runtime.export import save_exl3
 from ..runtime.linear import Exl3Linear
 from ..runtime.online import OnlineEncoder, make_cache
 from ..runtime.moe_module import install_moe_runtimes
 from ..runtime.policy import RULE_NEEDS_STATS, ExpertsTarget, LinearTarget, select_targets
 from ..runtime.quantize_model import _quantize_linear, _replace, untie_head
 from ..util.progress import Progress
+from ..util.units import parse_bytes
 
 log = logging.getLogger("exl3rt.integrations")
 
@@ -214,9 +221,8 @@ class Exl3HfQuantizer(HfQuantizer):
         return True
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
-        log.warning("exl3rt: a model quantized online cannot be saved with save_pretrained yet; its codes are in "
-                    "the exl3rt encoding cache (reloading is fast). To write an EXL3 checkpoint, run "
-                    "`exl3rt quantize SRC OUT --bits K` on the original checkpoint.")
+        log.warning("exl3rt: transformers' own save_pretrained cannot write EXL3 codes; call the model's "
+                    "save_pretrained (set by exl3rt when it loaded) or exl3rt.runtime.export.save_exl3(model, dir)")
         return False
 
     # ---- before loading: placeholders --------------------------------------------------------------
@@ -340,6 +346,7 @@ class Exl3HfQuantizer(HfQuantizer):
             if self._progress is not None:
                 self._progress.update(target.num_weights, note=target.name)
         self.moe = install_moe_runtimes(model, self.config)  # tiered experts -> Exl3MoE (docs/online.md)
+        model.save_pretrained = types.MethodType(save_pretrained_exl3, model)
         enc.stats.modules = len(self._targets)
         enc.stats.seconds = time.perf_counter() - self._t0
         if self._progress is not None:
@@ -355,6 +362,23 @@ class Exl3HfQuantizer(HfQuantizer):
         out["names"] = [t.name for t in self._targets]
         out["moe"] = dict(getattr(self, "moe", {}))
         return out
+
+
+def save_pretrained_exl3(model: nn.Module, save_directory: str | os.PathLike[str], *,
+                         max_shard_size: int | str = "8GB", push_to_hub: bool = False, **kwargs: Any) -> None:
+    """``model.save_pretrained`` of a model exl3rt quantized: an EXL3 checkpoint plus the generation config.
+
+    ``max_shard_size`` as transformers takes it (bytes or "5GB"); other transformers options
+    (``safe_serialization``, ``state_dict``, …) do not apply to EXL3 codes and are ignored.
+    """
+    if push_to_hub:
+        raise ValueError("exl3rt: save_pretrained(push_to_hub=True) is not supported; save to a directory, then "
+                         "upload it with huggingface_hub's upload_folder")
+    save_exl3(model, save_directory, max_shard_bytes=parse_bytes(max_shard_size), overwrite=True,
+              progress=False)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and getattr(model, "can_generate", lambda: False)():
+        gen.save_pretrained(str(save_directory))
 
 
 def register() -> None:

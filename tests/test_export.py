@@ -1,0 +1,139 @@
+"""save_exl3: a model quantized online, written as an EXL3 checkpoint, read back by the format layer.
+
+Truth: the module's own tensors (bit for bit) and a dense model rebuilt from the checkpoint by
+`format.reconstruct` (float64), whose logits must equal the quantized model's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import exl3rt
+from exl3rt.format import Exl3Checkpoint
+from exl3rt.format.errors import FormatError
+from exl3rt.runtime.export import save_exl3
+from exl3rt.runtime.linear import Exl3Linear
+
+
+def _quantized(src, cache, bits=3, **kw):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    exl3rt.quantize_model(model, exl3rt.Exl3Config(bits=bits, cache_dir=str(cache), progress=False, **kw),
+                          progress=False)
+    return model
+
+
+def _dense_from_checkpoint(path):
+    """A float64 HF model whose linears are the checkpoint's reconstructed weights (trimmed)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ckpt = Exl3Checkpoint(path)
+    cfg = AutoConfig.from_pretrained(str(path))
+    cfg.quantization_config = None
+    del cfg.quantization_config
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.float64).eval()
+    params = dict(model.named_parameters())
+    for name in ckpt.other_tensor_names():
+        params[name].data.copy_(ckpt.tensor(name).to(torch.float64))
+    for info in ckpt.linears():
+        lin = model.get_submodule(info.name)
+        enc = ckpt.load_linear(info.name)
+        w = enc.reconstruct(trim=False).to(torch.float64)[: lin.in_features, : lin.out_features]
+        lin.weight.data.copy_(w.T)
+        if enc.bias is not None:
+            lin.bias.data.copy_(enc.bias[: lin.out_features].to(torch.float64))
+    return model, ckpt
+
+
+def test_a_dense_model_round_trips_bit_for_bit_and_computes_the_same_logits(tmp_path):
+    from tiny_models import tiny_llama
+
+    src = tiny_llama(tmp_path / "src", layers=2, init_std=0.5)     # tied embedding and head
+    model = _quantized(src, tmp_path / "c")
+    out = save_exl3(model, tmp_path / "exl3", progress=False)
+
+    ckpt = Exl3Checkpoint(out)
+    mods = {n: m for n, m in model.named_modules() if isinstance(m, Exl3Linear)}
+    assert sorted(i.name for i in ckpt.linears()) == sorted(mods) and len(mods) == 14
+    for name, m in mods.items():
+        enc = ckpt.load_linear(name)
+        assert torch.equal(enc.trellis, m.trellis) and torch.equal(enc.suh, m.suh) and torch.equal(enc.svh, m.svh)
+        assert enc.codebook == m.codebook == "mcg"
+    # the tied head is the embedding, stored once
+    others = ckpt.other_tensor_names()
+    assert "model.embed_tokens.weight" in others and "lm_head.weight" not in others
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "exl3" and cfg["quantization_config"]["bits"] == 3
+    assert cfg["quantization_config"]["head_bits"] == 16 and cfg["tie_word_embeddings"] is True
+
+    dense, _ = _dense_from_checkpoint(out)
+    ids = torch.tensor([[1, 5, 9, 12, 3, 7, 30, 41]])
+    with torch.no_grad():
+        want = dense(ids).logits
+        got = model(ids).logits.to(torch.float64)
+    assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_moe_experts_are_written_per_expert_as_exllamav3_lays_them_out(tmp_path):
+    from tiny_models import tiny_qwen_moe
+
+    src = tiny_qwen_moe(tmp_path / "src", layers=1, experts=4, init_std=0.5)
+    model = _quantized(src, tmp_path / "c", bits=4, moe_runtime=False)
+    out = save_exl3(model, tmp_path / "exl3", progress=False)
+    ckpt = Exl3Checkpoint(out)
+    names = {i.name for i in ckpt.linears()}
+    assert {f"model.layers.0.mlp.experts.{e}.{p}" for e in range(4)
+            for p in ("gate_proj", "up_proj", "down_proj")} <= names
+    assert "model.layers.0.mlp.gate.weight" in ckpt.other_tensor_names()
+    # every expert's codes are the module's, bit for bit
+    experts = model.get_submodule("model.layers.0.mlp.experts")
+    for e in range(4):
+        m = experts.projection(e, "down_proj")
+        enc = ckpt.load_linear(f"model.layers.0.mlp.experts.{e}.down_proj")
+        assert torch.equal(enc.trellis, m.trellis) and torch.equal(enc.svh, m.svh)
+
+
+def test_a_model_with_nothing_quantized_is_refused_and_nothing_is_written(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import tiny_llama
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama(tmp_path / "src", layers=1)))
+    with pytest.raises(FormatError, match="no EXL3 linear"):
+        save_exl3(model, tmp_path / "exl3", progress=False)
+    assert not (tmp_path / "exl3").exists() or not any((tmp_path / "exl3").iterdir())
+
+
+def test_a_tensor_left_on_meta_is_named_and_no_checkpoint_is_left(tmp_path):
+    from tiny_models import tiny_llama
+
+    model = _quantized(tiny_llama(tmp_path / "src", layers=1), tmp_path / "c")
+    model.model.norm.weight = torch.nn.Parameter(torch.empty(model.model.norm.weight.shape, device="meta"))
+    with pytest.raises(FormatError, match=r"model\.norm\.weight: on the meta device"):
+        save_exl3(model, tmp_path / "exl3", progress=False)
+    assert not (tmp_path / "exl3").exists() or not any((tmp_path / "exl3").iterdir())
+
+
+def test_save_pretrained_of_a_model_loaded_by_from_pretrained_writes_the_checkpoint(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from exl3rt.integrations.transformers import Exl3Config
+    from tiny_models import tiny_llama
+
+    src = tiny_llama(tmp_path / "src", layers=1, init_std=0.5)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(src), dtype=torch.float32, quantization_config=Exl3Config(bits=2, cache_dir=str(tmp_path / "c")))
+    model.save_pretrained(str(tmp_path / "out"), max_shard_size="10KB")
+    out = tmp_path / "out"
+    ckpt = Exl3Checkpoint(out)
+    assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "generation_config.json").is_file()
+    for name, m in model.named_modules():
+        if isinstance(m, Exl3Linear):
+            enc = ckpt.load_linear(name)
+            assert torch.equal(enc.trellis, m.trellis) and torch.equal(enc.suh, m.suh), name
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 2
+    with pytest.raises(ValueError, match="push_to_hub"):
+        model.save_pretrained(str(tmp_path / "hub"), push_to_hub=True)
