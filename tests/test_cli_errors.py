@@ -203,7 +203,7 @@ def test_bits_16_is_the_unquantized_model(monkeypatch, tiny, capsys):
 
     def fake_load(args, path, bits):
         loads.append(bits)
-        return SimpleNamespace(model=None, tokenizer=None, seconds=0.0, bits=bits, summary={})
+        return SimpleNamespace(model=None, tokenizer=None, seconds=0.0, bits=bits, summary={}, stored=False)
 
     monkeypatch.setattr(evaluate, "load", fake_load)
     monkeypatch.setattr(evaluate, "describe_load", lambda ld: "loaded")

@@ -137,3 +137,77 @@ def test_save_pretrained_of_a_model_loaded_by_from_pretrained_writes_the_checkpo
     assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 2
     with pytest.raises(ValueError, match="push_to_hub"):
         model.save_pretrained(str(tmp_path / "hub"), push_to_hub=True)
+
+
+# ---- loading EXL3 checkpoints with from_pretrained (quant_method "exl3") -------------------------------------
+def _load_exl3(path, **kw):
+    import exl3rt.integrations.transformers  # noqa: F401  (registers quant_method "exl3")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kw).eval()
+
+
+@pytest.mark.parametrize("bits,codebook,layers", [("3", "mcg", 2), ("3.5", "mul1", 1), ("2", "3inst", 1)])
+def test_a_checkpoint_from_exl3rt_quantize_loads_and_matches_the_float64_reference(tmp_path, bits, codebook, layers,
+                                                                                   caplog):
+    from exl3rt.cli.main import main
+    from tiny_models import tiny_llama
+
+    src = tiny_llama(tmp_path / "src", layers=layers, init_std=0.5, tie=False)
+    out = tmp_path / "exl3"
+    assert main(["quantize", str(src), str(out), "--bits", bits, "--codebook", codebook, "--head-bits", "6",
+                 "--quiet"]) == 0
+    model = _load_exl3(out)
+    mods = {n: m for n, m in model.named_modules() if isinstance(m, Exl3Linear)}
+    assert len(mods) == 7 * layers + 1 and "lm_head" in mods       # the quantized head too
+    assert {m.codebook for m in mods.values()} == {codebook}
+    assert "UNEXPECTED" not in caplog.text and "MISSING" not in caplog.text
+    ckpt = Exl3Checkpoint(out)
+    for name, m in mods.items():
+        assert torch.equal(m.trellis, ckpt.load_linear(name).trellis), name
+    dense, _ = _dense_from_checkpoint(out)
+    ids = torch.tensor([[1, 5, 9, 12, 3, 7, 30, 41]])
+    with torch.no_grad():
+        want = dense(ids).logits
+        got = model(ids).logits.to(torch.float64)
+    assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_online_then_save_pretrained_then_from_pretrained_gives_identical_logits(tmp_path):
+    from tiny_models import tiny_llama
+
+    src = tiny_llama(tmp_path / "src", layers=2, init_std=0.5)
+    model = _quantized(src, tmp_path / "c", bits=4)
+    save_exl3(model, tmp_path / "exl3", progress=False)
+    again = _load_exl3(tmp_path / "exl3")
+    ids = torch.tensor([[1, 5, 9, 12, 3, 7, 30, 41]])
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+def test_a_moe_checkpoint_loads_per_expert_into_the_experts_module(tmp_path):
+    from exl3rt.runtime.experts import Exl3Experts
+    from tiny_models import tiny_qwen_moe
+
+    src = tiny_qwen_moe(tmp_path / "src", layers=1, experts=4, init_std=0.5)
+    model = _quantized(src, tmp_path / "c", bits=4, expert_bits={"model.layers.0.mlp.experts": {0: 3}})
+    save_exl3(model, tmp_path / "exl3", progress=False)
+    again = _load_exl3(tmp_path / "exl3")
+    ex = again.get_submodule("model.layers.0.mlp.experts")
+    assert isinstance(ex, Exl3Experts) and ex.projection(0, "up_proj").bits == 3
+    assert ex.projection(1, "up_proj").bits == 4
+    ids = torch.tensor([[1, 5, 9, 12, 3, 7, 30, 41]])
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_checkpoint_whose_trellis_disagrees_with_the_config_names_the_tensor(tmp_path):
+    from tiny_models import tiny_llama
+
+    model = _quantized(tiny_llama(tmp_path / "src", layers=1), tmp_path / "c")
+    out = save_exl3(model, tmp_path / "exl3", progress=False)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["intermediate_size"] = 400       # the MLP's codes are for 200 (padded 256)
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FormatError, match=r"mlp\.(gate|up|down)_proj\.trellis: codes for a"):
+        _load_exl3(out)

@@ -138,24 +138,50 @@ def test_generate_names_a_refused_weight_in_one_line(tiny, tmp_path, capsys):
     assert "Traceback" not in err and not any("LOAD REPORT" in m for m in seen)
 
 
-def test_generate_refuses_a_quantized_checkpoint_with_the_way_out(tiny, tmp_path, capsys):
-    """An EXL3 checkpoint (from exl3rt quantize) as --model: one line saying it is already quantized and how to
-    serve it, before anything loads (it used to fail inside transformers: "7 selected weights were not in the
-    checkpoint"); another method's checkpoint is named too."""
+def test_generate_runs_an_exl3_checkpoint_as_stored_with_the_online_tokens(tiny, tmp_path, capsys):
+    """A checkpoint from exl3rt quantize as --model loads as it is (nothing encoded, no cache) and gives the
+    tokens of the online path with the same settings; another method's checkpoint is refused in one line."""
     import json
 
     out = tmp_path / "exl3"
-    assert main(["quantize", str(tiny), str(out), "--bits", "3", "--quiet"]) == 0
+    assert main(["quantize", str(tiny), str(out), "--bits", "3", "--head-bits", "16", "--quiet"]) == 0
     capsys.readouterr()
-    assert main(["generate", "--model", str(out), "--quiet"]) == 1
-    err = capsys.readouterr().err
-    assert re.match(r"exl3rt: error: --model .*quant_method 'exl3'.*serve it with vLLM.*point --model at the original",
-                    err) and err.count("\n") == 1
+    common = ["--max-new-tokens", "6", "--prompt", "the quick", "--quiet", "--cache-dir", str(tmp_path / "c")]
+    assert main(["generate", "--model", str(out), *common]) == 0
+    stored = capsys.readouterr().out
+    assert "EXL3 checkpoint, as stored" in stored and "nothing encoded" in stored
+    assert not (tmp_path / "c").exists()            # the cache was not touched
+    assert main(["generate", "--model", str(tiny), "--bits", "3", *common]) == 0
+    online = capsys.readouterr().out
+
+    def reply(text):
+        return text.split("\n> the quick\n", 1)[1].split("\nexl3rt:", 1)[0]
+    assert reply(stored) == reply(online)
+
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (out / "config.json").write_text(json.dumps(cfg))
     assert main(["eval", "--model", str(out), "--bits", "4"]) == 1
-    assert "quant_method 'gptq'); this command quantizes" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "quant_method 'gptq'); this command runs EXL3 checkpoints as stored" in err and err.count("\n") == 1
+
+
+def test_eval_scores_a_checkpoint_as_stored_beside_its_source(tiny, tmp_path, capsys):
+    """`exl3rt eval --model <EXL3> --source <original>`: two rows, and the checkpoint's perplexity is the online
+    path's at the same settings (the same codes)."""
+    out = tmp_path / "exl3"
+    assert main(["quantize", str(tiny), str(out), "--bits", "3", "--head-bits", "16", "--quiet"]) == 0
+    capsys.readouterr()
+    common = ["--max-tokens", "200", "--ctx", "64", "--quiet", "--json", "--cache-dir", str(tmp_path / "c")]
+    assert main(["eval", "--model", str(out), "--source", str(tiny), *common]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["stored"] for r in rows] == [False, True] and rows[0]["bits"] is None
+    assert main(["eval", "--model", str(tiny), "--bits", "3", "--no-baseline", *common]) == 0
+    online = json.loads(capsys.readouterr().out)["rows"][0]
+    assert rows[1]["ppl"] == pytest.approx(online["ppl"], rel=1e-6) and rows[1]["bits"] == pytest.approx(3.0)
+    assert rows[1]["delta_pct"] == pytest.approx(100 * (online["ppl"] / rows[0]["ppl"] - 1), rel=1e-4)
+    assert main(["eval", "--model", str(tiny), "--source", str(tiny), "--bits", "3"]) == 1
+    assert "--source names the unquantized model of an EXL3 checkpoint" in capsys.readouterr().err
 
 
 def test_generate_prints_prefill_and_decode_rates_and_takes_eager(tiny, tmp_path, capsys):

@@ -49,6 +49,11 @@ def _quant_method(config_json: Path) -> Optional[str]:
     return str(qc.get("quant_method")) if isinstance(qc, dict) and qc.get("quant_method") else None
 
 
+def is_exl3_checkpoint(path: Path) -> bool:
+    """An EXL3 checkpoint (``quant_method: exl3``): loaded as stored, nothing encoded."""
+    return _quant_method(path / "config.json") == QUANT_METHOD
+
+
 def check_weights(path: Path) -> None:
     """Read every safetensors header of the model directory (cheap: no tensor data), so that a truncated or
     corrupt file, a broken index or a config.json that is not JSON is one error line before the load."""
@@ -69,12 +74,10 @@ def model_path(args: argparse.Namespace) -> tuple[Path, str]:
         if not (path / "config.json").is_file():
             raise UsageError(f"--model {path}: not a Hugging Face model directory (no config.json)")
         method = _quant_method(path / "config.json")
-        if method is not None:
-            hint = (" — already EXL3 (e.g. from `exl3rt quantize`): serve it with vLLM (README, docs/vllm.md)"
-                    if method == QUANT_METHOD else "")
-            raise UsageError(f"--model {path}: a quantized checkpoint (quant_method {method!r}){hint}; "
-                             f"this command quantizes an unquantized (BF16/FP16/FP32) model as it loads: point "
-                             f"--model at the original")
+        if method is not None and method != QUANT_METHOD:
+            raise UsageError(f"--model {path}: a quantized checkpoint (quant_method {method!r}); this command "
+                             f"runs EXL3 checkpoints as stored and quantizes unquantized (BF16/FP16/FP32) models "
+                             f"as they load: point --model at the original")
         check_weights(path)
         return path, path.name
     from ..models import SMOLLM2_NAME, smollm2_bf16_dir
@@ -92,8 +95,9 @@ class Loaded:
     model: Any
     tokenizer: Any
     seconds: float
-    bits: Optional[float]                 # None: unquantized
+    bits: Optional[float]                 # None: unquantized (or an EXL3 checkpoint: see stored)
     summary: dict                         # layers, hits, misses, encode/read/hash seconds, bpw
+    stored: bool = False                  # an EXL3 checkpoint loaded as it is
 
 
 def _dtype(args: argparse.Namespace, torch: Any) -> Any:
@@ -164,6 +168,8 @@ def load(args: argparse.Namespace, path: Path, bits: Optional[float]) -> Loaded:
     if args.device != "cpu":
         kwargs["device_map"] = args.device
     t0 = time.perf_counter()
+    if is_exl3_checkpoint(path):
+        return _load_stored(path, config, tok, t0, kwargs)
     if bits is None:
         model = _from_pretrained(path, config, **kwargs)
         return Loaded(model, tok, time.perf_counter() - t0, None, {})
@@ -183,8 +189,36 @@ def load(args: argparse.Namespace, path: Path, bits: Optional[float]) -> Loaded:
     return Loaded(model, tok, seconds, bits, model.hf_quantizer.summary())
 
 
+def _load_stored(path: Path, config: Any, tok: Any, t0: float, kwargs: dict[str, Any]) -> Loaded:
+    from transformers.utils import logging as hf_logging
+
+    from ..format.checkpoint import Exl3Checkpoint
+    from ..format.errors import FormatError
+    from ..integrations.transformers import register
+
+    register()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = _from_pretrained(path, config, **kwargs)
+    except FormatError as exc:
+        raise UsageError(f"--model {path}: {exc}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    ckpt = Exl3Checkpoint(path)
+    s = ckpt.summary()
+    s["ks"] = sorted({li.bits for li in ckpt.linears()})
+    return Loaded(model, tok, time.perf_counter() - t0, None, s, stored=True)
+
+
 def describe_load(ld: Loaded) -> str:
     """One line: load time, layers, cache hits / encodes, where the time went."""
+    if ld.stored:
+        s = ld.summary
+        ks = "/".join(f"{k:g}" for k in s.get("ks", []))
+        cbs = "/".join(sorted(s.get("codebooks", {})))
+        return (f"loaded the EXL3 checkpoint as stored in {ld.seconds:.1f} s: {s.get('linears', 0)} matrices at "
+                f"K={ks} {cbs} ({s.get('bpw', 0.0):.2f} bits/weight), nothing encoded")
     if ld.bits is None:
         return f"loaded unquantized in {ld.seconds:.1f} s"
     s = ld.summary

