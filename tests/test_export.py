@@ -48,6 +48,15 @@ def _dense_from_checkpoint(path):
     return model, ckpt
 
 
+def _assert_logits_match_the_float64_checkpoint(model, path):
+    dense, _ = _dense_from_checkpoint(path)
+    ids = torch.tensor([[1, 5, 9, 12, 3, 7, 30, 41]])
+    with torch.no_grad():
+        want = dense(ids).logits
+        got = model(ids).logits.to(torch.float64)
+    assert float((got - want).norm() / want.norm()) < 1e-5
+
+
 def test_a_dense_model_round_trips_bit_for_bit_and_computes_the_same_logits(tmp_path):
     from tiny_models import tiny_llama
 
@@ -69,12 +78,7 @@ def test_a_dense_model_round_trips_bit_for_bit_and_computes_the_same_logits(tmp_
     assert cfg["quantization_config"]["quant_method"] == "exl3" and cfg["quantization_config"]["bits"] == 3
     assert cfg["quantization_config"]["head_bits"] == 16 and cfg["tie_word_embeddings"] is True
 
-    dense, _ = _dense_from_checkpoint(out)
-    ids = torch.tensor([[1, 5, 9, 12, 3, 7, 30, 41]])
-    with torch.no_grad():
-        want = dense(ids).logits
-        got = model(ids).logits.to(torch.float64)
-    assert float((got - want).norm() / want.norm()) < 1e-5
+    _assert_logits_match_the_float64_checkpoint(model, out)
 
 
 def test_moe_experts_are_written_per_expert_as_exllamav3_lays_them_out(tmp_path):
@@ -165,12 +169,7 @@ def test_a_checkpoint_from_exl3rt_quantize_loads_and_matches_the_float64_referen
     ckpt = Exl3Checkpoint(out)
     for name, m in mods.items():
         assert torch.equal(m.trellis, ckpt.load_linear(name).trellis), name
-    dense, _ = _dense_from_checkpoint(out)
-    ids = torch.tensor([[1, 5, 9, 12, 3, 7, 30, 41]])
-    with torch.no_grad():
-        want = dense(ids).logits
-        got = model(ids).logits.to(torch.float64)
-    assert float((got - want).norm() / want.norm()) < 1e-5
+    _assert_logits_match_the_float64_checkpoint(model, out)
 
 
 def test_online_then_save_pretrained_then_from_pretrained_gives_identical_logits(tmp_path):

@@ -181,8 +181,37 @@ class Exl3Quantize(ConversionOps):
         return out
 
 
-class Exl3HfQuantizer(HfQuantizer):
+class _Exl3Quantizer(HfQuantizer):
+    """What the online and the checkpoint quantizers share: real devices only, compileable, not trainable,
+    and transformers' generic save refused (the model's own ``save_pretrained`` writes EXL3)."""
+
+    #: what is being loaded, for the device_map refusal
+    loading = "EXL3 layers"
+
+    def validate_environment(self, device_map: Any = None, **kwargs: Any) -> None:
+        if isinstance(device_map, dict) and any(str(d) in ("disk", "meta") for d in device_map.values()):
+            raise ValueError(f"exl3rt: {self.loading} cannot be placed on 'disk' (or left on 'meta'); "
+                             f"use device_map='cpu', 'cuda', or a map of real devices")
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+    @property
+    def is_compileable(self) -> bool:
+        # the EXL3 layers are custom ops with fake implementations: generate may compile a static-cache step
+        return True
+
+    def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
+        log.warning("exl3rt: transformers' own save_pretrained cannot write EXL3 codes; call the model's "
+                    "save_pretrained (set by exl3rt when it loaded) or exl3rt.runtime.export.save_exl3(model, dir)")
+        return False
+
+
+class Exl3HfQuantizer(_Exl3Quantizer):
     """Online EXL3 quantization inside ``from_pretrained`` (see the module docstring)."""
+
+    loading = "online quantization's layers"
 
     requires_calibration = False
 
@@ -204,12 +233,6 @@ class Exl3HfQuantizer(HfQuantizer):
         self._t0 = time.perf_counter()
         self.error: Optional[EncodeError] = None   # the first weight the encoder refused: the load fails
 
-    # ---- environment -------------------------------------------------------------------------------------
-    def validate_environment(self, device_map: Any = None, **kwargs: Any) -> None:
-        if isinstance(device_map, dict) and any(str(d) in ("disk", "meta") for d in device_map.values()):
-            raise ValueError("exl3rt: online quantization cannot place layers on 'disk' (or leave them on 'meta'); "
-                             "use device_map='cpu', 'cuda', or a map of real devices")
-
     def param_element_size(self, model: nn.Module, param_name: str, param: torch.Tensor) -> float:
         target = self._pending.get(param_name)
         if target is None:
@@ -219,20 +242,6 @@ class Exl3HfQuantizer(HfQuantizer):
         else:  # per-expert K: size for the widest expert
             k = max((b for per in target.bits for b in per.values() if b is not None), default=self.config.bits)
         return float(k) / 8
-
-    @property
-    def is_trainable(self) -> bool:
-        return False
-
-    @property
-    def is_compileable(self) -> bool:
-        # the EXL3 layers are custom ops with fake implementations: generate may compile a static-cache step
-        return True
-
-    def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
-        log.warning("exl3rt: transformers' own save_pretrained cannot write EXL3 codes; call the model's "
-                    "save_pretrained (set by exl3rt when it loaded) or exl3rt.runtime.export.save_exl3(model, dir)")
-        return False
 
     # ---- before loading: placeholders --------------------------------------------------------------
     def _encoder(self) -> OnlineEncoder:
@@ -413,7 +422,7 @@ class Exl3CheckpointConfig(QuantizationConfigMixin):
         return {"quant_method": CHECKPOINT_METHOD, **self._fields}
 
 
-class Exl3CheckpointQuantizer(HfQuantizer):
+class Exl3CheckpointQuantizer(_Exl3Quantizer):
     """Loads an EXL3 checkpoint into ``Exl3Linear`` / EXL3 expert modules: nothing is encoded.
 
     Before loading (model on meta), the checkpoint's headers say which linears are EXL3: each such
@@ -425,30 +434,13 @@ class Exl3CheckpointQuantizer(HfQuantizer):
     """
 
     requires_calibration = True     # only a checkpoint that is already EXL3
+    loading = "EXL3 checkpoints"
 
     def __init__(self, quantization_config: Any, **kwargs: Any):
         super().__init__(quantization_config, **kwargs)
         self.ckpt: Optional[Exl3Checkpoint] = None
         self.linears: dict[str, Exl3Linear] = {}
         self.moe: dict[str, str] = {}
-
-    def validate_environment(self, device_map: Any = None, **kwargs: Any) -> None:
-        if isinstance(device_map, dict) and any(str(v) in ("disk", "meta") for v in device_map.values()):
-            raise ValueError("exl3rt: EXL3 checkpoints load onto real devices only (device_map 'disk'/'meta' "
-                             "entries are not supported); use device_map='cpu', 'cuda', or a map of real devices")
-
-    @property
-    def is_trainable(self) -> bool:
-        return False
-
-    @property
-    def is_compileable(self) -> bool:
-        return True
-
-    def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
-        log.warning("exl3rt: transformers' own save_pretrained cannot write EXL3 codes; call the model's "
-                    "save_pretrained (set by exl3rt when it loaded) or exl3rt.runtime.export.save_exl3(model, dir)")
-        return False
 
     def _process_model_before_weight_loading(self, model: nn.Module, checkpoint_files: Any = None,
                                              **kwargs: Any) -> nn.Module:
