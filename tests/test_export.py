@@ -172,6 +172,29 @@ def test_a_checkpoint_from_exl3rt_quantize_loads_and_matches_the_float64_referen
     _assert_logits_match_the_float64_checkpoint(model, out)
 
 
+def test_a_checkpoint_with_biases_loads_them_trimmed_in_the_model_dtype(tmp_path):
+    """Qwen2's q/k/v carry biases: stored fp16 at the padded width, they come back [out_features] in the
+    model's dtype, and the logits match the float64 reference (which adds the stored biases)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from exl3rt.cli.main import main
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=128, intermediate_size=200, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=64, initializer_range=0.5,
+                      tie_word_embeddings=True)
+    src = tmp_path / "src"
+    Qwen2ForCausalLM(cfg).eval().save_pretrained(str(src))
+    out = tmp_path / "exl3"
+    assert main(["quantize", str(src), str(out), "--bits", "4", "--head-bits", "16", "--quiet"]) == 0
+    model = _load_exl3(out)
+    k = model.get_submodule("model.layers.0.self_attn.k_proj")
+    assert isinstance(k, Exl3Linear) and k.bias.shape == (64,) and k.bias.dtype == torch.float32
+    q = model.get_submodule("model.layers.0.self_attn.q_proj")     # out 128: padded width = logical width
+    assert q.bias.shape == (128,) and q.bias.dtype == torch.float32
+    _assert_logits_match_the_float64_checkpoint(model, out)
+
+
 def test_online_then_save_pretrained_then_from_pretrained_gives_identical_logits(tmp_path):
     from tiny_models import tiny_llama
 

@@ -62,23 +62,30 @@ def check_weights(path: Path) -> None:
     TensorFiles(path)
 
 
+def model_dir(value: str, flag: str = "--model", *, exl3: bool = True) -> Path:
+    """The model directory ``value`` of option ``flag``, checked as far as headers go: unquantized, or (``exl3``)
+    an EXL3 checkpoint; :class:`UsageError` or :class:`~exl3rt.util.tensorfiles.TensorFileError` otherwise."""
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise UsageError(f"{flag} {path}: no such directory")
+    if not path.is_dir():
+        raise UsageError(f"{flag} {path}: not a directory; point {flag} at a Hugging Face model directory")
+    if not (path / "config.json").is_file():
+        raise UsageError(f"{flag} {path}: not a Hugging Face model directory (no config.json)")
+    method = _quant_method(path / "config.json")
+    if method is not None and (method != QUANT_METHOD or not exl3):
+        what = ("runs EXL3 checkpoints as stored and quantizes unquantized (BF16/FP16/FP32) models as they load"
+                if exl3 else "needs the unquantized (BF16/FP16/FP32) model here")
+        raise UsageError(f"{flag} {path}: a quantized checkpoint (quant_method {method!r}); this command {what}: "
+                         f"point {flag} at the original")
+    check_weights(path)
+    return path
+
+
 def model_path(args: argparse.Namespace) -> tuple[Path, str]:
-    """(directory, display name), checked as far as headers go; :class:`UsageError` or
-    :class:`~exl3rt.util.tensorfiles.TensorFileError` if it is not a loadable model directory."""
+    """(directory, display name) of ``--model`` (see :func:`model_dir`), or of the bundled SmolLM2."""
     if args.model:
-        path = Path(args.model).expanduser()
-        if not path.exists():
-            raise UsageError(f"--model {path}: no such directory")
-        if not path.is_dir():
-            raise UsageError(f"--model {path}: not a directory; point --model at a Hugging Face model directory")
-        if not (path / "config.json").is_file():
-            raise UsageError(f"--model {path}: not a Hugging Face model directory (no config.json)")
-        method = _quant_method(path / "config.json")
-        if method is not None and method != QUANT_METHOD:
-            raise UsageError(f"--model {path}: a quantized checkpoint (quant_method {method!r}); this command "
-                             f"runs EXL3 checkpoints as stored and quantizes unquantized (BF16/FP16/FP32) models "
-                             f"as they load: point --model at the original")
-        check_weights(path)
+        path = model_dir(args.model)
         return path, path.name
     from ..models import SMOLLM2_NAME, smollm2_bf16_dir
     from ..models.smollm2 import ModelSourceError
@@ -192,7 +199,6 @@ def load(args: argparse.Namespace, path: Path, bits: Optional[float]) -> Loaded:
 def _load_stored(path: Path, config: Any, tok: Any, t0: float, kwargs: dict[str, Any]) -> Loaded:
     from transformers.utils import logging as hf_logging
 
-    from ..format.checkpoint import Exl3Checkpoint
     from ..format.errors import FormatError
     from ..integrations.transformers import register
 
@@ -205,7 +211,7 @@ def _load_stored(path: Path, config: Any, tok: Any, t0: float, kwargs: dict[str,
         raise UsageError(f"--model {path}: {exc}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    ckpt = Exl3Checkpoint(path)
+    ckpt = model.hf_quantizer.ckpt       # the headers the loader read
     s = ckpt.summary()
     s["ks"] = sorted({li.bits for li in ckpt.linears()})
     return Loaded(model, tok, time.perf_counter() - t0, None, s, stored=True)

@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from ._args import UNQUANTIZED, UsageError, bits_type, check_device, int_at_least, readable_file
-from ._load import add_model_args, check_bits, describe_load, is_exl3_checkpoint, load, model_path
+from ._load import add_model_args, check_bits, describe_load, is_exl3_checkpoint, load, model_dir, model_path
 
 HELP = "perplexity on a bundled text: the unquantized model and each EXL3 bitrate side by side"
 
@@ -72,13 +72,7 @@ def run(args: argparse.Namespace) -> int:
                          f"{path} is not one (use --bits to score online bitrates beside it)")
     runs: list[Any]
     if stored:        # the checkpoint as stored, after its source if given
-        src = None
-        if args.source:
-            model_arg = args.model
-            args.model = args.source
-            src, _ = model_path(args)
-            args.model = model_arg
-        runs = ([(None, src)] if src is not None else []) + [("stored", path)]
+        runs = ([(None, model_dir(args.source, "--source", exl3=False))] if args.source else []) + [("stored", path)]
     else:
         baseline = not args.no_baseline or UNQUANTIZED in args.bits
         runs = ([(None, path)] if baseline else []) + [(b, path) for b in quantized]

@@ -440,6 +440,7 @@ class Exl3CheckpointQuantizer(_Exl3Quantizer):
         super().__init__(quantization_config, **kwargs)
         self.ckpt: Optional[Exl3Checkpoint] = None
         self.linears: dict[str, Exl3Linear] = {}
+        self.bias_dtype: dict[str, torch.dtype] = {}    # linears with a stored bias -> the model's dtype
         self.moe: dict[str, str] = {}
 
     def _process_model_before_weight_loading(self, model: nn.Module, checkpoint_files: Any = None,
@@ -455,9 +456,10 @@ class Exl3CheckpointQuantizer(_Exl3Quantizer):
                 with torch.device("meta"):
                     new = Exl3Linear(module.in_features, module.out_features, info.bits, info.codebook,
                                      bias=info.has_bias, dtype=module.weight.dtype, name=info.name)
-                    if info.has_bias:     # stored fp16 at the padded width; trimmed after loading
+                    if info.has_bias:     # stored fp16 at the padded width; trimmed and cast after loading
                         new.bias = nn.Parameter(torch.empty(info.out_padded, dtype=torch.float16),
                                                 requires_grad=False)
+                        self.bias_dtype[info.name] = module.weight.dtype
                 _replace(model, info.name, new)
                 self.linears[info.name] = new
                 if info.name.rsplit(".", 1)[-1] == "lm_head":
@@ -503,8 +505,8 @@ class Exl3CheckpointQuantizer(_Exl3Quantizer):
             for t in ("trellis", "suh", "svh"):
                 if getattr(m, t).device.type == "meta":
                     raise FormatError(f"{name}.{t}: not loaded from the checkpoint (missing from its shards?)")
-            if m.bias is not None and m.bias.shape[0] != m.out_features:
-                m.bias = nn.Parameter(m.bias.detach()[: m.out_features].to(_model_dtype(model)), requires_grad=False)
+            if name in self.bias_dtype:
+                m.bias = nn.Parameter(m.bias.detach()[: m.out_features].to(self.bias_dtype[name]), requires_grad=False)
             m.encoded()     # validates the loaded tensors (shapes, dtypes), naming the tensor
         self.moe = install_moe_runtimes(model, RuntimeExl3Config())
         model.save_pretrained = types.MethodType(save_pretrained_exl3, model)
@@ -516,10 +518,6 @@ def _submodule(model: nn.Module, name: str) -> Optional[nn.Module]:
         return model.get_submodule(name)
     except AttributeError:
         return None
-
-
-def _model_dtype(model: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _check_widths(info: LinearInfo, in_f: int, out_f: int) -> None:
