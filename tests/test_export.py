@@ -15,6 +15,7 @@ from exl3rt.format import Exl3Checkpoint
 from exl3rt.format.errors import FormatError
 from exl3rt.runtime.export import save_exl3
 from exl3rt.runtime.linear import Exl3Linear
+from float64_reference import rel_logits_error
 
 
 def _quantized(src, cache, bits=3, **kw):
@@ -26,35 +27,8 @@ def _quantized(src, cache, bits=3, **kw):
     return model
 
 
-def _dense_from_checkpoint(path):
-    """A float64 HF model whose linears are the checkpoint's reconstructed weights (trimmed)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    ckpt = Exl3Checkpoint(path)
-    cfg = AutoConfig.from_pretrained(str(path))
-    cfg.quantization_config = None
-    del cfg.quantization_config
-    model = AutoModelForCausalLM.from_config(cfg).to(torch.float64).eval()
-    params = dict(model.named_parameters())
-    for name in ckpt.other_tensor_names():
-        params[name].data.copy_(ckpt.tensor(name).to(torch.float64))
-    for info in ckpt.linears():
-        lin = model.get_submodule(info.name)
-        enc = ckpt.load_linear(info.name)
-        w = enc.reconstruct(trim=False).to(torch.float64)[: lin.in_features, : lin.out_features]
-        lin.weight.data.copy_(w.T)
-        if enc.bias is not None:
-            lin.bias.data.copy_(enc.bias[: lin.out_features].to(torch.float64))
-    return model, ckpt
-
-
 def _assert_logits_match_the_float64_checkpoint(model, path):
-    dense, _ = _dense_from_checkpoint(path)
-    ids = torch.tensor([[1, 5, 9, 12, 3, 7, 30, 41]])
-    with torch.no_grad():
-        want = dense(ids).logits
-        got = model(ids).logits.to(torch.float64)
-    assert float((got - want).norm() / want.norm()) < 1e-5
+    assert rel_logits_error(model, path, torch.tensor([[1, 5, 9, 12, 3, 7, 30, 41]])) < 1e-5
 
 
 def test_a_dense_model_round_trips_bit_for_bit_and_computes_the_same_logits(tmp_path):

@@ -126,3 +126,18 @@ def test_a_name_the_check_accepts_never_leaves_the_folder_brute_force():
                                      ("a/b.safetensors", False), ("", False), ("x" * 201, False), (3, False)])
 def test_shard_file_names(name, ok):
     assert (file_name_problem(name) is None) == ok
+
+
+def test_a_directory_reads_its_index_else_model_safetensors_alone_else_every_file(tmp_path):
+    from exl3rt.util.tensorfiles import TensorFiles
+
+    t = {"a.weight": torch.zeros(2)}
+    save_file(t, str(tmp_path / "model.safetensors"))
+    save_file({"stray": torch.ones(3)}, str(tmp_path / "reference.safetensors"))
+    assert TensorFiles(tmp_path).names() == ["a.weight"]          # what transformers loads too
+    (tmp_path / "model.safetensors").unlink()
+    assert TensorFiles(tmp_path).names() == ["stray"]
+    save_file({"b.weight": torch.zeros(1)}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"b.weight": "model-00001-of-00001.safetensors"}}))
+    assert TensorFiles(tmp_path).names() == ["b.weight"]

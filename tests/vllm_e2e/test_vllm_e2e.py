@@ -359,3 +359,39 @@ def test_prequantized_moe_rank_sliced_checkpoint(exl3_qwen_moe, served_exl3_moe,
     got = _serve(ckpt, tmp_path / "unused-cache", tmp_path / "r.json", "--dtype", "float32")
     _check_checkpoint_moe(got, how="checkpoint (rank-sliced)")
     assert got["tokens"] == served_exl3_moe["tokens"]
+
+
+# ---- checkpoints made by exllamav3's own converter (tests/data/exllamav3) ----------------------------------------
+EXLLAMAV3_DATA = HERE.parent / "data" / "exllamav3"
+
+
+@pytest.mark.parametrize("name", ["llama_mul1", "llama_3inst", "qwen3moe_mcg"])
+def test_checkpoints_made_by_exllamav3_serve_as_transformers_runs_them(name, tmp_path):
+    """vLLM serves each exllamav3-made checkpoint through the plugin (stored codes, nothing encoded: mixed rates, a
+    half-integer rate, a quantized or unquantized head, MoE experts, two shards) and its greedy tokens equal exl3rt's
+    transformers path on the same checkpoint, token for token, both in float32."""
+    import exl3rt.integrations.transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM
+
+    ckpt = EXLLAMAV3_DATA / name
+    got = _serve(ckpt, tmp_path / "unused-cache", tmp_path / "r.json", "--dtype", "float32")
+    assert got["summary"]["mode"] == "checkpoint"
+    assert not (tmp_path / "unused-cache").exists()  # nothing encoded, no cache touched
+    # vLLM fuses q/k/v and gate/up: 4 linears per dense layer, 2 beside the experts
+    assert got["ours"] == (4 if name.startswith("qwen") else 8), got["linears"]
+    routers = {n for n in got["linears"] if n.endswith(".mlp.gate")}    # stored unquantized, as exllamav3 leaves them
+    assert all(v.startswith("Exl3CheckpointLinearMethod:") for n, v in got["linears"].items() if n not in routers)
+    if name == "qwen3moe_mcg":
+        assert len(got["experts"]) == 2 and all("Exl3" in v for v in got["experts"].values()), got["experts"]
+    quantized_head = name != "llama_3inst"
+    assert got["heads"]["lm_head"].startswith("Exl3CheckpointHeadMethod") == quantized_head, got["heads"]
+
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    want = []
+    for p in PROMPTS:
+        with torch.no_grad():
+            g = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                               min_new_tokens=MAX_TOKENS)
+        want.append(g[0, len(p):].tolist())
+    assert len({t for seq in want for t in seq}) >= 4, f"degenerate continuation {want}"
+    assert got["tokens"] == want

@@ -7,7 +7,10 @@ Layout (exllamav3 ``conversion/compile.py``):
   or any set of ``*.safetensors`` files without an index;
 - optional ``quantization_config.json`` (per-module ``tensor_storage``; informational).
 
-A linear is EXL3 iff it has ``<key>.trellis`` plus ``suh`` (or legacy ``su``) plus ``svh`` (or ``sv``).
+A linear is EXL3 iff it has ``<key>.trellis`` plus ``suh`` (or legacy ``su``) plus ``svh`` (or ``sv``); a
+trellis with ``<key>.signs`` is a quantized table (exllamav3's quantized embeddings), listed in ``tables``.
+A linear's scales without its trellis (or the reverse), or a tensor under a linear's name that EXL3 does not
+define, is a FormatError naming the tensor: listing never silently drops part of a checkpoint.
 Listing reads only the safetensors headers; tensors are memory-mapped and loaded one linear at a
 time. K always comes from the trellis shape, never from config.json.
 """
@@ -24,7 +27,7 @@ from ..util.names import module_path_problem
 from ..util.tensorfiles import CONFIG_NAME, INDEX_NAME, TensorFileError, TensorFiles, TensorInfo, natural_key, read_json
 from .bits import Bits, bits_from_width
 from .codebooks import MARKERS
-from .encoded import EncodedLinear
+from .encoded import EncodedLinear, codebook_from_markers
 from .errors import FormatError
 
 QCONFIG_NAME = "quantization_config.json"
@@ -97,27 +100,54 @@ class Exl3Checkpoint:
             )
 
     def _find_linears(self) -> dict[str, LinearInfo]:
+        parts: dict[str, set[str]] = {}
+        for name in self._tensors:
+            key, _, part = name.rpartition(".")
+            parts.setdefault(key, set()).add(part)
         out: dict[str, LinearInfo] = {}
-        for name, info in self._tensors.items():
-            if not name.endswith(".trellis"):
+        self.tables: list[str] = []
+        for key, have in parts.items():
+            exl3_parts = have & (set(_LINEAR_PARTS) - {"bias"})
+            if "trellis" not in have:
+                if exl3_parts:     # scales or a marker without codes: a tensor went missing
+                    raise FormatError(f"{key}.trellis: missing from {self.path}, which stores "
+                                      f"{', '.join(f'{key}.{p}' for p in sorted(exl3_parts))}; the checkpoint is "
+                                      f"incomplete (download or convert it again)")
                 continue
-            key = name[: -len(".trellis")]
-            has = lambda part: f"{key}.{part}" in self._tensors  # noqa: E731
-            if not ((has("suh") or has("su")) and (has("svh") or has("sv"))):
-                continue  # e.g. a quantized embedding (trellis + signs): a different format
+            if "signs" in have:
+                self.tables.append(key)     # a quantized table (exllamav3 --embed_bits): another format
+                continue
+            for need, legacy in (("suh", "su"), ("svh", "sv")):
+                if need not in have and legacy not in have:
+                    raise FormatError(f"{key}.{need}: missing from {self.path} ({key}.trellis is there); the "
+                                      f"checkpoint is incomplete (download or convert it again)")
+            unknown = sorted(have - set(_LINEAR_PARTS))
+            if unknown:
+                raise FormatError(f"{key}.{unknown[0]}: not a tensor an EXL3 linear stores (trellis, suh/svh or su/sv, "
+                                  f"bias, and an mcg or mul1 codebook marker or none for 3inst); an unknown codebook "
+                                  f"marker, or a checkpoint from a newer exllamav3")
+            info = self._tensors[f"{key}.trellis"]
             if len(info.shape) != 3:
-                raise FormatError(f"{name}: expected shape [in/16, out/16, 16*K], got {info.shape}")
-            markers = [m for m in MARKERS if has(m)]
+                raise FormatError(f"{key}.trellis: expected shape [in/16, out/16, 16*K], got {info.shape}")
+            markers = [m for m in MARKERS if m in have]
             if len(markers) > 1:
                 raise FormatError(f"{key}: both .mcg and .mul1 markers present")
-            parts = [f"{key}.{p}" for p in _LINEAR_PARTS if has(p)]
+            stored = [f"{key}.{p}" for p in _LINEAR_PARTS if p in have]
             out[key] = LinearInfo(
                 name=key, in_padded=info.shape[0] * 16, out_padded=info.shape[1] * 16,
-                bits=bits_from_width(info.shape[2], name=name),
+                bits=bits_from_width(info.shape[2], name=f"{key}.trellis"),
                 codebook=markers[0] if markers else "3inst",
-                nbytes=sum(self._tensors[p].nbytes for p in parts), has_bias=has("bias"),
+                nbytes=sum(self._tensors[p].nbytes for p in stored), has_bias="bias" in have,
             )
         return dict(sorted(out.items(), key=lambda kv: natural_key(kv[0])))
+
+    def check_markers(self) -> None:
+        """Read every codebook marker (one int32 each) and check its value, as :meth:`load_linear` does; loaders
+        that map the other tensors straight into a model call this, so a wrong marker fails before any use."""
+        for info in self._linears.values():
+            if info.codebook in MARKERS:
+                name = f"{info.name}.{info.codebook}"
+                codebook_from_markers({info.codebook: self.tensor(name)}, info.name)
 
     # ---- public API ----------------------------------------------------------------------------
     @property

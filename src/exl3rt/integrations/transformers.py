@@ -78,6 +78,7 @@ from ..runtime.online import OnlineEncoder, make_cache
 from ..runtime.moe_module import install_moe_runtimes
 from ..runtime.policy import RULE_NEEDS_STATS, ExpertsTarget, LinearTarget, fused_experts_layout, select_targets
 from ..runtime.quantize_model import _quantize_linear, _replace, untie_head
+from ..util.tensorfiles import natural_key
 from ..util.progress import Progress
 from ..util.units import parse_bytes
 
@@ -448,6 +449,10 @@ class Exl3CheckpointQuantizer(_Exl3Quantizer):
         if not checkpoint_files:
             raise ValueError("exl3rt: an EXL3 checkpoint loads from its safetensors files; none were given")
         self.ckpt = ckpt = Exl3Checkpoint(Path(checkpoint_files[0]).parent)
+        if ckpt.tables:
+            raise FormatError(f"{ckpt.tables[0]}.trellis: a quantized table (exllamav3's --embed_bits), which exl3rt "
+                              f"does not load; convert with --embed_bits 16 (exllamav3's default)")
+        ckpt.check_markers()
         experts: dict[str, dict[tuple[int, str], LinearInfo]] = {}
         for info in ckpt.linears():
             module = _submodule(model, info.name)
@@ -474,6 +479,7 @@ class Exl3CheckpointQuantizer(_Exl3Quantizer):
             experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = info
         for name, infos in experts.items():
             _replace(model, name, self._experts_placeholder(name, model.get_submodule(name), infos))
+        _check_complete(model, ckpt)
         unexpected = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
         model._keys_to_ignore_on_load_unexpected = unexpected | {r"\.(mcg|mul1)$"}   # codebook markers
         return model
@@ -513,11 +519,69 @@ class Exl3CheckpointQuantizer(_Exl3Quantizer):
         return model
 
 
+def plan_checkpoint_load(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What ``from_pretrained(path)`` of the EXL3 checkpoint at ``path`` will build, without reading a weight:
+    the model is made on the meta device and given the loader's placeholders, so every check the loader makes
+    before reading (widths, missing or unknown tensors, codebook markers) runs here too.
+
+    Returns ``architecture``, ``linears`` (Exl3Linear names), ``experts`` (Exl3Experts name -> experts),
+    ``head`` (K of a quantized head, or None), ``dense`` (linears left unquantized), ``other`` (name -> dtype and
+    shape of every other stored tensor)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(str(path))
+    quantizer = Exl3CheckpointQuantizer(Exl3CheckpointConfig(**(getattr(config, "quantization_config", None) or {})))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    quantizer._process_model_before_weight_loading(model, checkpoint_files=[str(path / "config.json")])
+    ckpt = quantizer.ckpt
+    experts = {n: m.num_experts for n, m in model.named_modules() if isinstance(m, Exl3Experts)}
+    head = quantizer.linears.get("lm_head")
+    owned = {n for n in ckpt.tensor_names() if n.rpartition(".")[0] in quantizer.linears}
+    return {
+        "architecture": type(model).__name__,
+        "model_type": getattr(config, "model_type", None),
+        "layers": getattr(config, "num_hidden_layers", None),
+        "linears": sorted(quantizer.linears, key=natural_key),
+        "experts": experts,
+        "head": None if head is None else head.bits,
+        "dense": sorted((n for n, m in model.named_modules() if type(m) is nn.Linear), key=natural_key),
+        "other": {n: (str(ckpt.tensor_info(n).dtype), tuple(ckpt.tensor_info(n).shape))
+                  for n in ckpt.tensor_names() if n not in owned and not n.endswith((".mcg", ".mul1"))},
+    }
+
+
 def _submodule(model: nn.Module, name: str) -> Optional[nn.Module]:
     try:
         return model.get_submodule(name)
     except AttributeError:
         return None
+
+
+_LAYER_INDEX = re.compile(r"\.\d+\.")
+
+
+def _check_complete(model: nn.Module, ckpt: Exl3Checkpoint) -> None:
+    """Every tensor the model expects must be in the checkpoint (tied ones excepted): transformers would
+    initialise a missing one at random and only log it. Where transformers renames or fuses checkpoint keys
+    for this architecture, only a tensor stored for another layer or expert but not this one counts as missing
+    (a renamed key never matches a stored pattern)."""
+    stored = set(ckpt.tensor_names())
+    tied = set(getattr(model, "all_tied_weights_keys", None) or ())
+    try:
+        from transformers.conversion_mapping import extract_weight_conversions_for_model
+        renamed = bool(extract_weight_conversions_for_model(model))
+    except ImportError:     # transformers without conversion mappings renames nothing
+        renamed = False
+    patterns = {_LAYER_INDEX.sub(".#.", n) for n in stored}
+    for name in sorted(set(model.state_dict()) - stored - tied, key=natural_key):
+        if not renamed:
+            raise FormatError(f"{name}: missing from {ckpt.path}; the checkpoint is incomplete (download or convert "
+                              f"it again)")
+        if _LAYER_INDEX.sub(".#.", name) in patterns:
+            raise FormatError(f"{name}: missing from {ckpt.path}, which stores it for other layers; the checkpoint "
+                              f"is incomplete (download or convert it again)")
 
 
 def _check_widths(info: LinearInfo, in_f: int, out_f: int) -> None:
@@ -547,4 +611,4 @@ def register() -> None:
 register()
 
 __all__ = ["Exl3CheckpointConfig", "Exl3CheckpointQuantizer", "Exl3Config", "Exl3HfQuantizer", "Exl3Quantize",
-           "register", "save_pretrained_exl3"]
+           "plan_checkpoint_load", "register", "save_pretrained_exl3"]

@@ -1,5 +1,8 @@
 """A set of safetensors files read lazily: a model directory (with or without an index) or one file.
 
+A directory's files are those its index names, else ``model.safetensors`` alone when it exists, else every
+``*.safetensors`` in it.
+
 Only headers are read at open; each tensor is memory-mapped and read on request.
 """
 
@@ -17,6 +20,7 @@ from .names import file_name_problem
 from .safejson import loads_bounded
 
 INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
@@ -67,6 +71,39 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+MAX_HEADER_BYTES = 100 << 20     # the safetensors library's own header limit
+
+
+def truncated_tensor(fpath: Path) -> Optional[str]:
+    """If the safetensors file ``fpath`` is shorter than its own header says, a line naming the first tensor cut
+    off (the usual result of an interrupted download or copy); else None."""
+    import struct
+
+    try:
+        size = fpath.stat().st_size
+        with open(fpath, "rb") as f:
+            (hlen,) = struct.unpack("<Q", f.read(8))
+            if hlen > min(size, MAX_HEADER_BYTES):
+                return None
+            header = loads_bounded(f.read(hlen).decode("utf-8"), max_bytes=MAX_HEADER_BYTES, strict=False)
+    except (OSError, ValueError, struct.error, UnicodeDecodeError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    spans = []
+    for name, meta in header.items():
+        offsets = meta.get("data_offsets") if isinstance(meta, dict) and name != "__metadata__" else None
+        if isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets):
+            spans.append((offsets[1], offsets[0], name))
+    have = size - 8 - hlen
+    cut = sorted(s for s in spans if s[0] > have)
+    if not cut:
+        return None
+    end, start, name = min(cut, key=lambda s: s[1])
+    return (f"{name}: cut off in {fpath} (the file has {have} data bytes, the tensor needs bytes {start}-{end}; "
+            f"{len(cut)} tensor(s) incomplete); the file is truncated: download or copy it again")
+
+
 def natural_key(name: str) -> list[tuple[int, Any]]:
     """Sort ``layers.10`` after ``layers.9`` (numbers before words at the same depth)."""
     return [(0, int(p)) if p.isdigit() else (1, p) for p in name.split(".")]
@@ -111,6 +148,9 @@ class TensorFiles:
                 if not (self.path / fname).is_file():
                     raise TensorFileError(f"{index_path}: shard {fname!r} is listed but missing from {self.path}")
             return files
+        if (self.path / SINGLE_NAME).is_file():
+            # as transformers and vLLM read it: other safetensors beside it are not the model's
+            return {SINGLE_NAME: None}
         found = sorted(p.name for p in self.path.glob("*.safetensors"))
         if not found:
             raise TensorFileError(f"{self.path}: no .safetensors files (and no {INDEX_NAME})")
@@ -121,12 +161,17 @@ class TensorFiles:
         try:
             handle = safe_open(str(fpath), framework="pt")
         except Exception as exc:  # safetensors raises its own error types
+            cut = truncated_tensor(fpath)
+            if cut:
+                raise TensorFileError(cut) from None
             raise TensorFileError(f"{fpath}: not a readable safetensors file ({exc})") from None
         self._handles[fname] = handle
         keys = set(handle.keys())
         if expected is not None and not expected <= keys:
-            missing = sorted(expected - keys)[:3]
-            raise TensorFileError(f"{fpath}: the index lists tensors missing from this shard, e.g. {missing}")
+            missing = sorted(expected - keys, key=natural_key)
+            raise TensorFileError(f"{missing[0]}: missing from {fpath}, where {INDEX_NAME} places it "
+                                  f"({len(missing)} tensor(s) missing); the checkpoint is incomplete (download or "
+                                  f"copy it again)")
         for name in keys:
             if expected is not None and name not in expected:
                 continue  # not this shard's per the index
