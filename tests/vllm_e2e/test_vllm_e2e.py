@@ -52,6 +52,18 @@ def _hf_tokens(model: Path, config, dtype=None) -> tuple[list[list[int]], dict]:
     return out, m.hf_quantizer.summary()
 
 
+def _greedy(model) -> list[list[int]]:
+    """``model``'s greedy continuation of every prompt (MAX_TOKENS each), checked not to be degenerate."""
+    want = []
+    for p in PROMPTS:
+        with torch.no_grad():
+            g = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                               min_new_tokens=MAX_TOKENS)
+        want.append(g[0, len(p):].tolist())
+    assert len({t for seq in want for t in seq}) >= 4, f"degenerate continuation {want}"
+    return want
+
+
 @pytest.fixture(scope="module")
 def bf16_llama(tmp_path_factory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("m") / "llama", init_std=0.5, dtype=torch.bfloat16)
@@ -143,13 +155,7 @@ def test_prequantized_checkpoint_matches_transformers(bf16_llama, tmp_path):
     # truth: transformers with exl3rt's Exl3Linear built from the stored codes
     model = AutoModelForCausalLM.from_pretrained(str(bf16_llama), dtype=torch.float32)
     assert _swap_in_checkpoint(model, ckpt) == 14
-    want = []
-    for p in PROMPTS:
-        with torch.no_grad():
-            g = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                               min_new_tokens=MAX_TOKENS)
-        want.append(g[0, len(p):].tolist())
-    assert len({t for seq in want for t in seq}) >= 4, f"degenerate continuation {want}"
+    want = _greedy(model)
     assert got["tokens"] == want
 
 
@@ -387,11 +393,5 @@ def test_checkpoints_made_by_exllamav3_serve_as_transformers_runs_them(name, tmp
     assert got["heads"]["lm_head"].startswith("Exl3CheckpointHeadMethod") == quantized_head, got["heads"]
 
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
-    want = []
-    for p in PROMPTS:
-        with torch.no_grad():
-            g = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                               min_new_tokens=MAX_TOKENS)
-        want.append(g[0, len(p):].tolist())
-    assert len({t for seq in want for t in seq}) >= 4, f"degenerate continuation {want}"
+    want = _greedy(model)
     assert got["tokens"] == want
