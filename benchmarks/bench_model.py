@@ -207,6 +207,11 @@ def measure(model, args, label: str) -> dict:
             ids = torch.randint(3, vocab, (1, args.prefill), device="cuda", generator=g)
             out["prefill ms"] = timed(lambda: model(ids, use_cache=False), max(3, args.iters // 4))
             print(f"{label}: prefill {args.prefill} {out['prefill ms']:.1f} ms", flush=True)
+            if args.profile:
+                try:
+                    profile(lambda: model(ids, use_cache=False), f"{label} prefill {args.prefill}")
+                except Exception as exc:
+                    print(f"{label}: prefill profile failed: {exc!r}")
     return out
 
 
@@ -260,7 +265,9 @@ def main() -> int:
     ap.add_argument("--exllamav3", metavar="DIR", default=None,
                     help="write the (last) EXL3 model to DIR and time exllamav3 on the same codes")
     ap.add_argument("--profile", action="store_true",
-                    help="also print where the GPU time of one eager one-token forward goes (top kernels)")
+                    help="also print where the GPU time of one eager one-token forward (and of the prefill) goes "
+                         "(top kernels); profile in a run of its own: times taken after a profile in the same "
+                         "process read up to 2x slow")
     args = ap.parse_args()
 
     model = build(args.model, args.layers)
