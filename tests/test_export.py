@@ -207,3 +207,30 @@ def test_a_checkpoint_whose_trellis_disagrees_with_the_config_names_the_tensor(t
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(FormatError, match=r"mlp\.(gate|up|down)_proj\.trellis: codes for a"):
         _load_exl3(out)
+
+
+def test_a_moe_checkpoint_with_a_shared_expert_loads_it_as_plain_linears(tmp_path):
+    """Qwen2-MoE: routed experts per expert into Exl3Experts, the shared expert's gate/up/down as Exl3Linear (they
+    are ordinary linears of the model), the shared-expert gate (one output) as stored; the logits match the
+    float64 model rebuilt from the checkpoint."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from exl3rt.cli.main import main
+    from exl3rt.runtime.experts import Exl3Experts
+
+    torch.manual_seed(0)
+    cfg = Qwen2MoeConfig(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                         shared_expert_intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, vocab_size=64,
+                         max_position_embeddings=64, tie_word_embeddings=False, initializer_range=0.5)
+    src = tmp_path / "src"
+    Qwen2MoeForCausalLM(cfg).eval().save_pretrained(str(src), safe_serialization=True)
+    out = tmp_path / "exl3"
+    assert main(["quantize", str(src), str(out), "--bits", "3", "--head-bits", "16", "--quiet"]) == 0
+    model = _load_exl3(out)
+    mlp = model.get_submodule("model.layers.0.mlp")
+    assert isinstance(mlp.experts, Exl3Experts)
+    assert all(isinstance(getattr(mlp.shared_expert, p), Exl3Linear) for p in ("gate_proj", "up_proj", "down_proj"))
+    stored = {info.name for info in Exl3Checkpoint(out).linears()}
+    assert isinstance(mlp.shared_expert_gate, Exl3Linear) == ("model.layers.0.mlp.shared_expert_gate" in stored)
+    assert rel_logits_error(model, out, torch.tensor([[1, 5, 9, 12, 3, 7, 30, 41]])) < 1e-5

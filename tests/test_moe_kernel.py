@@ -451,6 +451,30 @@ def test_one_launch_route_packing_equals_pack_routes(t, k, e, block_m, ids_dtype
         assert torch.equal(getattr(got, f), getattr(want, f)), f
 
 
+def test_a_prefill_packs_in_one_launch_as_pack_routes_does(monkeypatch):
+    """Past 1024 routes the packer sorts in its widest width: a 2048-token prefill at top-8 on a GPU.
+    The interpreter takes ~90 s per 16k-key sort (so it packs past 1024 routes with torch); on the CPU the
+    test makes the widest width 2048 and lets the interpreter take it (the same kernel code, another NP)."""
+    import exl3rt.kernels.moe as km
+
+    t, k, e, block_m = (2048, 8, 128, 128) if DEV != "cpu" else (200, 8, 128, 64)
+    if DEV == "cpu":
+        monkeypatch.setattr(km, "PACK_WIDTHS", ((64, 4), (1024, 4), (2048, 8)))
+        monkeypatch.setattr(km, "PACK_INTERPRETED_MAX_ROUTES", 2048)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(-1, e + 1, (t, k), generator=g).to(torch.int32).to(DEV)
+    emap = torch.randperm(e, generator=g).to(torch.int32)
+    emap[5] = -1
+    emap = emap.to(DEV)
+    calls = []
+    monkeypatch.setattr(km, "pack_routes", lambda *a, **kw: calls.append(1))     # the torch packer must not run
+    got = pack_routes_fused(ids, e, block_m, emap)
+    want = pack_routes(ids, e, block_m, expert_map=emap)      # this module's name: the real torch packer
+    assert not calls
+    for f in ("sorted_routes", "block_experts", "num_padded", "expert_counts"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+
+
 # ---- launch plans (kernels.moe.planned_moe) ---------------------------------------------------------------------
 
 def test_planned_calls_replay_the_full_call(monkeypatch):

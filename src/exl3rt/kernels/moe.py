@@ -392,8 +392,21 @@ def _row_stride(table: torch.Tensor) -> int:
 
 #: routes up to which the fused path packs them with one Triton program (:func:`pack_routes_fused`); more
 #: (prefill) go through the torch packer, whose ~40 small launches are then amortized over many tokens
-PACK_MAX_ROUTES = 1024
+PACK_MAX_ROUTES = 16384     # 2048 tokens at top-8: a prefill packs in one launch and can be planned
 PACK_MAX_EXPERTS = 1024
+# the packer's sort widths (routes rounded up to one of these) and the warps that sort each: few widths, so a
+# row-bucket prewarm meets every one wherever it occurs. The widest sorts 16k keys in one program: ~0.4 ms on
+# an H200 at 8 warps (16: 0.45, 32: 0.51), against ~0.9 ms for the torch packer's launches and its host work
+PACK_WIDTHS = ((64, 4), (1024, 4), (PACK_MAX_ROUTES, 8))
+# where the kernels run in Triton's interpreter (CPU tensors) a 16k-key sort takes ~90 s: the torch packer
+# takes calls past this many routes there
+PACK_INTERPRETED_MAX_ROUTES = 1024
+
+
+def pack_max_routes(device: torch.device) -> int:
+    """The most routes one packer launch takes on ``device`` (more: the torch packer, and the call is not
+    planned)."""
+    return PACK_MAX_ROUTES if device.type == "cuda" else PACK_INTERPRETED_MAX_ROUTES
 
 
 def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor,
@@ -406,7 +419,7 @@ def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, ex
     from .moe_glue import _moe_pack_kernel
     alloc = alloc or torch.empty        # looked up per call (tests put a stand-in in torch.empty)
     numel, E = int(topk_ids.numel()), int(num_experts)
-    if (topk_ids.dtype not in ID_DTYPES or topk_ids.dim() != 2 or not 0 < numel <= PACK_MAX_ROUTES
+    if (topk_ids.dtype not in ID_DTYPES or topk_ids.dim() != 2 or not 0 < numel <= pack_max_routes(topk_ids.device)
             or E > PACK_MAX_EXPERTS):
         return pack_routes(topk_ids, E, block_m, expert_map=expert_map)
     dev = topk_ids.device
@@ -416,13 +429,12 @@ def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, ex
                      num_padded=alloc((1,), dtype=torch.int32, device=dev),
                      expert_counts=alloc((E,), dtype=torch.int32, device=dev),
                      max_numel=numel, num_experts=E, block_m=int(block_m))
-    # two sort widths only (64 or 1024 routes): a row-bucket prewarm meets both wherever they occur
-    np_ = 64 if numel <= 64 else PACK_MAX_ROUTES
+    np_, warps = next(w for w in PACK_WIDTHS if numel <= w[0])
     scratch = alloc((np_,), dtype=torch.int32, device=dev)
     emap = expert_map if expert_map.is_contiguous() else expert_map.contiguous()
     launch(_moe_pack_kernel, (1,), topk_ids.reshape(-1), emap, pack.sorted_routes, pack.block_experts,
            pack.num_padded, pack.expert_counts, scratch, numel, int(emap.shape[0]), E, cap, pack.max_blocks,
-           NP=np_, EP=next_pow2(E), FB=256, BLOCK_M=int(block_m), num_warps=4, **(_pdl_args(dev) if pdl else {}))
+           NP=np_, EP=next_pow2(E), FB=256, BLOCK_M=int(block_m), num_warps=warps, **(_pdl_args(dev) if pdl else {}))
     return pack
 
 
@@ -664,7 +676,7 @@ def _plannable(x, topk_ids, topk_weights, w: MoEWeights, out) -> bool:
     numel = int(topk_ids.numel())
     tables = (w.up_suh, w.up_svh, w.down_suh, w.down_svh, w.gate_suh, w.gate_svh, w.expert_map)
     return (fused_glue_supported(w) and x.shape[0] > 0 and topk_ids.dim() == 2 and topk_ids.dtype in ID_DTYPES
-            and 0 < numel <= PACK_MAX_ROUTES and w.num_experts <= PACK_MAX_EXPERTS
+            and 0 < numel <= pack_max_routes(topk_ids.device) and w.num_experts <= PACK_MAX_EXPERTS
             and _aligned(x, topk_ids, topk_weights, out) and all(t is None or t.is_contiguous() for t in tables)
             and direct_launch_ok())
 
@@ -737,4 +749,4 @@ def _unfused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 
 __all__ = ["GlueLaunch", "MoEPlan", "MoEWeights", "default_glue", "exl3_moe", "planned_moe", "frag_blocks",
            "fused_glue_supported", "grouped_gemv", "pack_routes_fused", "tiered_partials", "FUSED_LAUNCHES",
-           "MAX_TIERS", "PACK_MAX_ROUTES"]
+           "MAX_TIERS", "PACK_MAX_ROUTES", "pack_max_routes"]

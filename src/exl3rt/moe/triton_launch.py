@@ -76,7 +76,7 @@ class TritonMoELaunch:
                           codebook=next((c for c in k.codebooks if c), "mcg"))
 
     def warmup(self, rows: int, ids_dtype: torch.dtype) -> int:
-        from ..kernels.moe import PACK_MAX_ROUTES, exl3_moe, fused_glue_supported
+        from ..kernels.moe import exl3_moe, fused_glue_supported, pack_max_routes
         w = self._dummy()
         n = w.num_experts
         dev = torch.device(self.key.device)
@@ -85,11 +85,11 @@ class TritonMoELaunch:
         exl3_moe(x, ids, torch.ones(rows, self.plan.top_k, device=dev), w, block_m=self.plan.block_for(rows))
         self.warmed.add((rows, ids_dtype))
         # fused: [pack,] pre, gate+up, mid, down, post (one pre-pass kernel serves shared and separate
-        # gate/up input rotations; nothing specializes on T but the packer's two sort widths) | torch glue:
+        # gate/up input rotations; nothing specializes on T but the packer's sort widths) | torch glue:
         # gate, up, down
         if not fused_glue_supported(w):
             return 3
-        return 6 if rows * self.plan.top_k <= PACK_MAX_ROUTES else 5
+        return 6 if rows * self.plan.top_k <= pack_max_routes(dev) else 5
 
     def run(self, binding: Any, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             out: torch.Tensor) -> None:
