@@ -77,7 +77,7 @@ from ..runtime.linear import Exl3Linear
 from ..runtime.online import OnlineEncoder, make_cache
 from ..runtime.moe_module import install_moe_runtimes
 from ..runtime.policy import RULE_NEEDS_STATS, ExpertsTarget, LinearTarget, fused_experts_layout, select_targets
-from ..runtime.quantize_model import _quantize_linear, _replace, untie_head
+from ..runtime.surgery import quantize_linear, replace_module, untie_head
 from ..util.tensorfiles import natural_key
 from ..util.progress import Progress
 from ..util.units import parse_bytes
@@ -271,7 +271,7 @@ class Exl3HfQuantizer(_Exl3Quantizer):
                 new = self._experts_placeholder(module, target)
                 self._pending[f"{target.name}.{target.layout.up_param}"] = target
                 self._pending[f"{target.name}.down_proj"] = target
-            _replace(model, target.name, new)
+            replace_module(model, target.name, new)
         total = sum(t.num_weights for t in self._targets)
         self._progress = Progress(total, "exl3rt: quantizing", unit="w", enabled=cfg.progress)
         return model
@@ -359,8 +359,8 @@ class Exl3HfQuantizer(_Exl3Quantizer):
         enc = self._encoder()
         for target in self._deferred:
             module = model.get_submodule(target.name)
-            new = _quantize_linear(module, target, enc, self.config)
-            _replace(model, target.name, new)
+            new = quantize_linear(module, target, enc, self.config)
+            replace_module(model, target.name, new)
             untie_head(model, target.name)
             if self._progress is not None:
                 self._progress.update(target.num_weights, note=target.name)
@@ -465,7 +465,7 @@ class Exl3CheckpointQuantizer(_Exl3Quantizer):
                         new.bias = nn.Parameter(torch.empty(info.out_padded, dtype=torch.float16),
                                                 requires_grad=False)
                         self.bias_dtype[info.name] = module.weight.dtype
-                _replace(model, info.name, new)
+                replace_module(model, info.name, new)
                 self.linears[info.name] = new
                 if info.name.rsplit(".", 1)[-1] == "lm_head":
                     untie_head(model, info.name)
@@ -478,7 +478,7 @@ class Exl3CheckpointQuantizer(_Exl3Quantizer):
                                   f"architecture? (config.json names {getattr(model.config, 'architectures', None)})")
             experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = info
         for name, infos in experts.items():
-            _replace(model, name, self._experts_placeholder(name, model.get_submodule(name), infos))
+            replace_module(model, name, self._experts_placeholder(name, model.get_submodule(name), infos))
         _check_complete(model, ckpt)
         unexpected = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
         model._keys_to_ignore_on_load_unexpected = unexpected | {r"\.(mcg|mul1)$"}   # codebook markers

@@ -214,7 +214,7 @@ def install_moe_runtimes(model: nn.Module, config: Exl3Config, *,
 
     Returns ``{module name: "runtime <tier signature>" | "loop: <reason>"}``.
     """
-    from .quantize_model import _replace
+    from .surgery import replace_module
 
     done: dict[str, str] = {}
     found = [(n, m) for n, m in model.named_modules() if type(m) is Exl3Experts]
@@ -242,7 +242,7 @@ def install_moe_runtimes(model: nn.Module, config: Exl3Config, *,
             settings = MoESettings.from_env(max_batched=config.moe_max_batched)
         new = Exl3MoE.from_experts(module, top_k=top_k, settings=settings,
                                    cache=model_moe_cache(model, launch_factory), owner=Owner.of(model, name))
-        _replace(model, name, new)
+        replace_module(model, name, new)
         done[name] = f"runtime {new.tier_layout.signature}"
     return done
 

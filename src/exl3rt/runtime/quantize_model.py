@@ -28,33 +28,9 @@ from .online import OnlineEncoder
 from .policy import ExpertsTarget, LinearTarget, select_targets
 from .router_stats import calibration_ids as _calibration_ids
 from .router_stats import collect_router_stats
+from .surgery import quantize_linear, replace_module, untie_head
 
 log = logging.getLogger("exl3rt.runtime")
-
-
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
-
-
-def untie_head(model: nn.Module, head: str) -> None:
-    """Stop transformers from re-tying ``<head>.weight`` to the embedding (the head is now EXL3 codes)."""
-    tied = getattr(model, "all_tied_weights_keys", None)
-    if isinstance(tied, dict):
-        tied.pop(f"{head}.weight", None)
-    cfg = getattr(model, "config", None)
-    if cfg is not None:
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        for c in {id(cfg): cfg, id(text): text}.values():
-            if getattr(c, "tie_word_embeddings", False):
-                c.tie_word_embeddings = False
-
-
-def _quantize_linear(module: nn.Linear, target: LinearTarget, enc: OnlineEncoder, config: Exl3Config) -> Exl3Linear:
-    codes = enc.encode(target.name, module.weight.detach(), target.bits)
-    bias = None if module.bias is None else module.bias.detach()
-    return Exl3Linear.from_encoded(codes, bias, dequant_cache=config.dequant_cache, name=target.name)
 
 
 def _quantize_experts(module: nn.Module, target: ExpertsTarget, enc: OnlineEncoder, config: Exl3Config,
@@ -118,14 +94,14 @@ def quantize_model(model: nn.Module, config: Optional[Exl3Config] = None, *, cac
         for target in targets:
             module = model.get_submodule(target.name)
             if isinstance(target, LinearTarget):
-                new = _quantize_linear(module, target, enc, config)
+                new = quantize_linear(module, target, enc, config)
                 bar.update(target.num_weights, note=target.name)
             else:
                 new = _quantize_experts(module, target, enc, config, bar)
             tied = isinstance(target, LinearTarget) and any(
                 p is module.weight for n, p in model.named_parameters(remove_duplicate=False)
                 if not n.startswith(target.name + "."))
-            _replace(model, target.name, new)
+            replace_module(model, target.name, new)
             if tied:  # e.g. a head sharing the embedding's weight: the embedding keeps it, the head is codes now
                 untie_head(model, target.name)
             del module  # the dense weights go with the old module (unless the caller still holds them)
