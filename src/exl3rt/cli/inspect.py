@@ -79,8 +79,8 @@ def _describe_plan(plan: dict[str, Any], ckpt: Exl3Checkpoint, path: Path) -> li
         parts.append(f"{len(plan['experts'])} Exl3Experts layers ({'/'.join(map(str, per))} experts each, "
                      f"{in_experts} linears in {n_exp} experts)")
     parts.append("lm_head EXL3 K%g" % plan["head"] if plan["head"] is not None else "lm_head unquantized")
-    other = plan["other"]
-    big = sorted(other, key=lambda n: -_numel(other[n][1]))[:2]
+    other = {n: ckpt.tensor_info(n) for n in plan["other"]}
+    big = sorted(other, key=lambda n: -other[n].numel)[:2]
     rest = len(other) - len(big)
     qc = ckpt.quantization_config or {}
     # exl3rt names itself in "quantizer"; exllamav3 writes only its version
@@ -89,8 +89,8 @@ def _describe_plan(plan: dict[str, Any], ckpt: Exl3Checkpoint, path: Path) -> li
     lines = [
         f"checkpoint   {path} ({len(files)} file{'s' if len(files) > 1 else ''}; quantization_config by {who})",
         f"loads as     {plan['architecture']}, {plan['layers']} layers: " + ", ".join(parts),
-        "unquantized  " + "; ".join(f"{n} {other[n][0]} {list(other[n][1])}" for n in big)
-        + (f"; {rest} more ({fmt_bytes(sum(_bytes(*other[n]) for n in other if n not in big))})" if rest > 0 else ""),
+        "unquantized  " + "; ".join(f"{n} {other[n].dtype} {list(other[n].shape)}" for n in big)
+        + (f"; {rest} more ({fmt_bytes(sum(other[n].nbytes for n in other if n not in big))})" if rest > 0 else ""),
     ]
     if plan["dense"] and plan["dense"] != ["lm_head"]:
         lines.append(f"dense        {len(plan['dense'])} linear(s) stay nn.Linear: {', '.join(plan['dense'][:4])}"
@@ -99,20 +99,6 @@ def _describe_plan(plan: dict[str, Any], ckpt: Exl3Checkpoint, path: Path) -> li
     lines.append("             AutoModelForCausalLM.from_pretrained(path) after `import exl3rt.integrations.transformers`")
     lines.append(f"             vllm serve {path}     (with exl3rt installed: its vLLM plugin)")
     return lines
-
-
-_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
-
-
-def _bytes(dtype: str, shape) -> int:
-    return _numel(shape) * _DTYPE_BYTES.get(dtype, 1)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ QUANT_METHOD = "exl3"   # quantization_config.quant_method of an EXL3 checkpoint
 __all__ = ["CONFIG_NAME", "INDEX_NAME", "QCONFIG_NAME", "QUANT_METHOD", "Exl3Checkpoint", "LinearInfo", "TensorInfo"]
 
 _LINEAR_PARTS = ("trellis", "suh", "svh", "su", "sv", "bias", *MARKERS)
+_EXL3_PARTS = frozenset(_LINEAR_PARTS) - {"bias"}     # parts that only an EXL3 linear stores
 @dataclasses.dataclass(frozen=True)
 class LinearInfo:
     """One quantized linear as listed from headers: padded widths, K from the trellis shape, codebook."""
@@ -107,7 +108,7 @@ class Exl3Checkpoint:
         out: dict[str, LinearInfo] = {}
         self.tables: list[str] = []
         for key, have in parts.items():
-            exl3_parts = have & (set(_LINEAR_PARTS) - {"bias"})
+            exl3_parts = have & _EXL3_PARTS
             if "trellis" not in have:
                 if exl3_parts:     # scales or a marker without codes: a tensor went missing
                     raise FormatError(f"{key}.trellis: missing from {self.path}, which stores "
@@ -121,7 +122,7 @@ class Exl3Checkpoint:
                 if need not in have and legacy not in have:
                     raise FormatError(f"{key}.{need}: missing from {self.path} ({key}.trellis is there); the "
                                       f"checkpoint is incomplete (download or convert it again)")
-            unknown = sorted(have - set(_LINEAR_PARTS))
+            unknown = sorted(have - _EXL3_PARTS - {"bias"})
             if unknown:
                 raise FormatError(f"{key}.{unknown[0]}: not a tensor an EXL3 linear stores (trellis, suh/svh or su/sv, "
                                   f"bias, and an mcg or mul1 codebook marker or none for 3inst); an unknown codebook "

@@ -538,7 +538,6 @@ def plan_checkpoint_load(path: str | os.PathLike[str]) -> dict[str, Any]:
     ckpt = quantizer.ckpt
     experts = {n: m.num_experts for n, m in model.named_modules() if isinstance(m, Exl3Experts)}
     head = quantizer.linears.get("lm_head")
-    owned = {n for n in ckpt.tensor_names() if n.rpartition(".")[0] in quantizer.linears}
     return {
         "architecture": type(model).__name__,
         "model_type": getattr(config, "model_type", None),
@@ -548,7 +547,7 @@ def plan_checkpoint_load(path: str | os.PathLike[str]) -> dict[str, Any]:
         "head": None if head is None else head.bits,
         "dense": sorted((n for n, m in model.named_modules() if type(m) is nn.Linear), key=natural_key),
         "other": {n: (str(ckpt.tensor_info(n).dtype), tuple(ckpt.tensor_info(n).shape))
-                  for n in ckpt.tensor_names() if n not in owned and not n.endswith((".mcg", ".mul1"))},
+                  for n in ckpt.other_tensor_names()},
     }
 
 

@@ -96,7 +96,7 @@ def truncated_tensor(fpath: Path) -> Optional[str]:
         if isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets):
             spans.append((offsets[1], offsets[0], name))
     have = size - 8 - hlen
-    cut = sorted(s for s in spans if s[0] > have)
+    cut = [s for s in spans if s[0] > have]
     if not cut:
         return None
     end, start, name = min(cut, key=lambda s: s[1])
@@ -149,7 +149,7 @@ class TensorFiles:
                     raise TensorFileError(f"{index_path}: shard {fname!r} is listed but missing from {self.path}")
             return files
         if (self.path / SINGLE_NAME).is_file():
-            # as transformers and vLLM read it: other safetensors beside it are not the model's
+            # as transformers reads it: other safetensors beside it are not the model's
             return {SINGLE_NAME: None}
         found = sorted(p.name for p in self.path.glob("*.safetensors"))
         if not found:
