@@ -85,7 +85,7 @@ def random_codes(weight, bits, codebook="mcg", hessian=None, seed=0, **_):
     return enc
 
 
-def to_exl3(model, bits, moe_mixed: bool):
+def to_exl3(model, bits, moe_mixed: bool, fuse: bool = True):
     import exl3rt
     import exl3rt.cache.key as ck
     import exl3rt.encode.quantize as q
@@ -100,7 +100,7 @@ def to_exl3(model, bits, moe_mixed: bool):
                              for i in range(model.config.num_hidden_layers)}
     cfg = exl3rt.Exl3Config(bits=3 if moe_mixed else bits, cache_mode="off", progress=False, **kw)
     summary = exl3rt.quantize_model(model, cfg, progress=False)
-    prepare_model(model, torch.bfloat16)        # compiles every kernel specialization before any timing
+    prepare_model(model, torch.bfloat16, fuse=fuse)   # compiles every kernel specialization before any timing
     torch.cuda.synchronize()
     return summary
 
@@ -120,6 +120,28 @@ def timed(fn, iters: int, warmup: int = 3) -> float:
         times.append(a.elapsed_time(b))
     times.sort()
     return times[len(times) // 2]
+
+
+def interleaved_eager(args) -> dict:
+    """One-token eager forwards of BF16, EXL3 unfused and EXL3 fused models held side by side, timed in turns
+    (``args.rounds`` rounds): an eager forward is bound by the host, whose speed drifts within a run, so each
+    model's best round is compared with the others' taken minutes apart at most."""
+    models = {"bf16": build(args.model, args.layers)}
+    for label, fuse in (("exl3 unfused", False), ("exl3 fused", True)):
+        models[label] = build(args.model, args.layers)
+        to_exl3(models[label], args.bits[0], args.model == "qwen3moe", fuse=fuse)
+    one = torch.randint(3, models["bf16"].config.vocab_size, (1, 1), device="cuda")
+    best = {k: float("inf") for k in models}
+    with torch.no_grad():
+        for r in range(args.rounds):
+            for k, m in models.items():
+                best[k] = min(best[k], timed(lambda: m(one, use_cache=False), args.iters))
+            print(f"round {r}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in best.items()), flush=True)
+    print(f"\n{args.model} eager one-token forward, best of {args.rounds} interleaved rounds of {args.iters} "
+          f"(median each), K{args.bits[0]}, {torch.cuda.get_device_name()}")
+    for k, v in best.items():
+        print(f"{k:<14}{v:>9.2f} ms{v / best['bf16']:>8.2f}x")
+    return {k + " forward eager ms": v for k, v in best.items()}
 
 
 def profile(fn, label: str, top: int = 12) -> None:
@@ -262,6 +284,13 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--prefill", type=int, default=2048, help="prefill tokens (0: skip)")
     ap.add_argument("--skip-bf16", action="store_true")
+    ap.add_argument("--interleave", action="store_true",
+                    help="only the eager one-token forward: BF16, EXL3 unfused and fused held side by side and "
+                         "timed in turns (--rounds), against the host's drift")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--fuse", choices=("on", "off", "both"), default="on",
+                    help="q/k/v and gate/up as one fused call each (exl3rt.runtime.fuse_linears, the default of "
+                         "prepare_model); both: the unfused model first, then the same codes fused")
     ap.add_argument("--exllamav3", metavar="DIR", default=None,
                     help="write the (last) EXL3 model to DIR and time exllamav3 on the same codes")
     ap.add_argument("--profile", action="store_true",
@@ -269,6 +298,12 @@ def main() -> int:
                          "(top kernels); profile in a run of its own: times taken after a profile in the same "
                          "process read up to 2x slow")
     args = ap.parse_args()
+    if args.interleave:
+        rows = interleaved_eager(args)
+        write_json(Path(__file__).resolve().parent / "results" / f"model_{args.model}_interleaved.json", {
+            "date": datetime.date.today().isoformat(), "commit": commit(), "device": torch.cuda.get_device_name(),
+            "model": args.model, "args": vars(args), "rows": rows})
+        return 0
 
     model = build(args.model, args.layers)
     rows = {}
@@ -281,9 +316,14 @@ def main() -> int:
             torch.cuda.empty_cache()
             model = build(args.model, args.layers)
         t0 = time.perf_counter()
-        to_exl3(model, bits, moe)
+        to_exl3(model, bits, moe, fuse=args.fuse == "on")
         label = "exl3 K3/K4 experts" if moe else f"exl3 K{bits}"
         print(f"{label}: codes installed in {time.perf_counter() - t0:.0f} s", flush=True)
+        if args.fuse == "both":
+            rows[label + " unfused"] = measure(model, args, label + " unfused")
+            from exl3rt.integrations.generation import prepare_model
+            prepare_model(model, torch.bfloat16, fuse=True)
+            torch.cuda.synchronize()
         rows[label] = measure(model, args, label)
     if args.exllamav3:
         rows["exllamav3"] = measure_exllamav3(model, args, rows[label])

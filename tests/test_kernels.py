@@ -180,7 +180,8 @@ def _swapped_mma_sm90_ops(ka: int, nt: int, *, halves: bool, atomic: bool, **opt
     from exl3rt.kernels import mma as _mm
     cb, mult, add = kl._cb_args("mcg")
     args = {"x_ptr": "*fp16", "w_ptr": "*i32", "z_ptr": "*fp32", "rows": "i32", "in_tiles": "i32", "tn_total": "i32",
-            "k_per": "i32", "stride_x": "i32", "stride_zs": "i32", "one": "i32"}
+            "k_per": "i32", "stride_x": "i32", "stride_zs": "i32", "one": "i32",
+            "seg_b1": "i32", "seg_b2": "i32", "seg_x": "i32"}
     const = dict(KA=ka, HALF=0, CB=cb, MULT=mult, ADD=add, NT=nt, WARPS=1, NWL=_mm.words_per_lane(ka), ASM=True,
                  KSPLIT=False, MB=1, SWAP=True, PDL=False, UNROLL=_mm.default_unroll(ka), XFRAG=True, HALVES=halves,
                  ATOMIC=atomic)
@@ -450,3 +451,45 @@ def test_swapped_mma_multiplies_the_unrounded_halves(codebook, bits, rounded, mo
     halves = not rounded and bits != 4
     assert _rel(z, exact if halves else fp16) < 2e-6
     assert _rel(z, fp16 if halves else exact) > 2e-5
+
+
+@pytest.mark.parametrize("codebook,bits,rows,path,cfg", [
+    ("mcg", 4, 1, "mma", kl.MmaConfig(nt=2, num_warps=1, target_programs=4, swap=True)),
+    ("mul1", 2.5, 5, "mma", kl.MmaConfig(nt=2, num_warps=2, target_programs=2, swap=True)),
+    ("3inst", 3, 11, "mma", kl.MmaConfig(nt=4, num_warps=1, target_programs=2)),
+    ("mcg", 2, 20, "mma", kl.MmaConfig(nt=1, num_warps=2, target_programs=2, ksplit=True, row_blocks=2)),
+    ("mcg", 3, 7, "decode_mm", None),
+    ("mcg", 4, 40, "wgmma", None),
+    ("mul1", 2.5, 130, "wgmma", None),
+])
+def test_fused_layers_give_each_layer_its_own_product(codebook, bits, rows, path, cfg):
+    """Layers of one input and K fused into one call (trellises concatenated along the output tiles, each keeping its
+    own input scales, ``bounds`` the segment starts) give each layer's own x·W_g in its columns: three layers of
+    widths 256 / 128 / 128 against float64 products of each layer alone."""
+    from exl3rt.kernels import wgmma
+    if path == "wgmma" and not wgmma.available(torch.device(DEV)):
+        pytest.skip("the wgmma kernel runs on Hopper GPUs only")
+    in_p, widths = 256, (256, 128, 128)
+    layers = [_codes(in_p, w, bits, seed=31 * i + rows) for i, w in enumerate(widths)]
+    x = torch.randn(rows, in_p, generator=torch.Generator().manual_seed(rows))
+    tr = torch.cat([t for t, _, _ in layers], dim=1)
+    suh = torch.stack([s for _, s, _ in layers])
+    svh = torch.cat([v for _, _, v in layers])
+    bounds = (256, 384)
+    y = kl.exl3_linear(x.to(DEV), tr, suh, svh, codebook, path=path, mma_cfg=cfg, decode_cfg=DEC, bounds=bounds)
+    assert y.shape == (rows, sum(widths))
+    for (t, s, v), a, b in zip(layers, (0, 256, 384), (256, 384, 512)):
+        ref = x.double() @ reconstruct(t.cpu(), s.cpu(), v.cpu(), codebook, dtype=torch.float64)
+        assert _rel(y[:, a:b], ref) < 1e-3, (a, b)
+
+
+def test_fused_layer_bounds_are_checked():
+    tr, suh, svh = _codes(128, 256, 4, seed=3)
+    x = torch.randn(2, 128).to(DEV)
+    two = torch.stack([suh, suh])
+    with pytest.raises(ValueError, match="segment bounds"):
+        kl.exl3_linear(x, tr, two, svh, "mcg", path="mma", mma_cfg=MMA, bounds=(100,))
+    with pytest.raises(Exception, match="segments"):
+        kl.exl3_linear(x, tr, suh, svh, "mcg", path="mma", mma_cfg=MMA, bounds=(128,))
+    with pytest.raises(ValueError, match="gemv"):
+        kl.exl3_linear(x, tr, two, svh, "mcg", path="gemv", bounds=(128,))

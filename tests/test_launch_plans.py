@@ -65,6 +65,27 @@ def test_a_replayed_call_equals_the_full_call(codebook, bits, rows, monkeypatch)
 
 
 @interpreter_only
+def test_a_fused_layers_call_is_planned_and_replayed_like_one_layer(monkeypatch):
+    """Three layers of one input fused (``bounds``): recorded once, then replayed with the fused pre-pass (its
+    segments' x' in one buffer) — each replay equals the full call and every segment its own layer's x·W."""
+    garbage_empty(monkeypatch)
+    layers = [_codes(128, 128, 4, seed=s) for s in range(3)]
+    tr = torch.cat([t for t, _, _ in layers], dim=1).contiguous()
+    suh = torch.stack([s for _, s, _ in layers]).contiguous()
+    svh = torch.cat([v for _, _, v in layers]).contiguous()
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(1, 128, generator=gen).half().to(DEV) for _ in range(2)]
+    ys = [kl.exl3_linear(x, tr, suh, svh, "mcg", bounds=(128, 256)) for x in xs]
+    assert len(kl._PLANS) == 1
+    plan = next(iter(kl._PLANS.values()))
+    assert plan.replay is not None and len(plan.replay.steps) == 3
+    for x, y in zip(xs, ys):
+        assert torch.equal(y, kl._linear(x, tr, suh, svh, "mcg", bounds=(128, 256)))
+        for g, (t, s, v) in enumerate(layers):
+            assert _rel(y[:, 128 * g:128 * (g + 1)], _ref(x, t, s, v, "mcg")) < 2e-3
+
+
+@interpreter_only
 def test_plans_are_per_layer_and_row_count():
     """Two layers of one shape, and one layer at two row counts, get separate plans and their own results;
     ``reset_plans`` forgets them."""

@@ -10,6 +10,8 @@ _LAZY = {
     "Exl3MoE": "exl3rt.runtime.moe_module",
     "TopRouted": "exl3rt.runtime.router_stats",
     "save_exl3": "exl3rt.runtime.export",
+    "fuse_linears": "exl3rt.runtime.fusion",
+    "unfuse_linears": "exl3rt.runtime.fusion",
 }
 
 

@@ -69,12 +69,16 @@ def _stop_after(prompt: int, n: int) -> Any:
     return StopAfter()
 
 
-def prepare_model(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Every EXL3 linear made ready for ``dtype`` before the first forward, outside any traced code: its kernels
-    compiled on CUDA, its kept dense weight decoded elsewhere (what a first forward would do); returns the
-    kernel launches this took."""
+def prepare_model(model: torch.nn.Module, dtype: torch.dtype, *, fuse: bool = True) -> int:
+    """Every EXL3 linear made ready for ``dtype`` before the first forward, outside any traced code: on CUDA
+    q/k/v and gate/up fused (``fuse``; :func:`exl3rt.runtime.fusion.fuse_linears`) and the kernels compiled,
+    elsewhere the kept dense weight decoded (what a first forward would do); returns the kernel launches this
+    took."""
+    from ..runtime.fusion import fuse_linears
     from ..runtime.linear import Exl3Linear
 
+    if fuse:
+        fuse_linears(model)
     done: set = set()
     return sum(m.prepare(dtype, done) for m in model.modules() if isinstance(m, Exl3Linear))
 

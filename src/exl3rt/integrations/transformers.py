@@ -26,8 +26,9 @@ How the weights flow (each linear is encoded as its weight loads; the dense mode
    dense key, which transformers installs; the dense tensor is dropped when ``convert`` returns.
 4. ``_process_model_after_weight_loading`` removes the placeholders, quantizes a tied head if asked
    (``quantize_lm_head`` with tied embeddings: the head is encoded from the embedding and untied),
-   checks every selected weight was loaded, and plans the MoE runtime of tierable experts
-   (:func:`exl3rt.runtime.moe_module.install_moe_runtimes`). ``Exl3Config.expert_bits_rule`` is refused
+   checks every selected weight was loaded, plans the MoE runtime of tierable experts
+   (:func:`exl3rt.runtime.moe_module.install_moe_runtimes`) and, on CUDA, fuses q/k/v and gate/up
+   (:func:`exl3rt.runtime.fusion.fuse_linears`). ``Exl3Config.expert_bits_rule`` is refused
    here: router statistics need the whole model before encoding (use ``quantize_model``).
    ``model.hf_quantizer.summary()`` tells hits/misses and which MoE path each experts module runs.
 
@@ -76,6 +77,7 @@ from ..runtime.export import save_exl3
 from ..runtime.linear import Exl3Linear
 from ..runtime.online import OnlineEncoder, make_cache
 from ..runtime.moe_module import install_moe_runtimes
+from ..runtime.fusion import fuse_linears
 from ..runtime.policy import RULE_NEEDS_STATS, ExpertsTarget, LinearTarget, fused_experts_layout, select_targets
 from ..runtime.surgery import quantize_linear, replace_module, untie_head
 from ..util.tensorfiles import natural_key
@@ -365,6 +367,7 @@ class Exl3HfQuantizer(_Exl3Quantizer):
             if self._progress is not None:
                 self._progress.update(target.num_weights, note=target.name)
         self.moe = install_moe_runtimes(model, self.config)  # tiered experts -> Exl3MoE (docs/online.md)
+        fuse_linears(model)                                   # q/k/v and gate/up as one call each, on CUDA
         model.save_pretrained = types.MethodType(save_pretrained_exl3, model)
         enc.stats.modules = len(self._targets)
         enc.stats.seconds = time.perf_counter() - self._t0
@@ -515,6 +518,7 @@ class Exl3CheckpointQuantizer(_Exl3Quantizer):
                 m.bias = nn.Parameter(m.bias.detach()[: m.out_features].to(self.bias_dtype[name]), requires_grad=False)
             m.encoded()     # validates the loaded tensors (shapes, dtypes), naming the tensor
         self.moe = install_moe_runtimes(model, RuntimeExl3Config())
+        fuse_linears(model)
         model.save_pretrained = types.MethodType(save_pretrained_exl3, model)
         return model
 

@@ -56,20 +56,25 @@ if HAVE_TRITON:
     @triton.jit(do_not_specialize=["rows", "splits", "rows_out"])
     def _had_kernel(x_ptr, s_ptr, y_ptr, rows, n, splits, stride_split, PRE: tl.constexpr,
                     BR: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False, FRAG: tl.constexpr = 0,
-                    rows_out=0, zero_ptr=None, zero_n=0, ZERO: tl.constexpr = False):
+                    rows_out=0, zero_ptr=None, zero_n=0, ZERO: tl.constexpr = False, seg_y=0, ldy=0):
         """One [BR, 128] block: PRE: y = (x ⊙ s)·H; else y = (Σ_split x[split])·H ⊙ s  (H = H128/√128).
         ``PDL`` (programmatic dependent launch): let the next kernel launch now, wait for the previous
         one's writes before reading. ``FRAG`` (PRE only): y is written in the mma GEMV's fragment order
         (1: A fragments of 16-row blocks, 2: B fragments of 8-row blocks), ``rows_out`` rows (the rows past
         ``rows`` zero). ``ZERO`` (PRE only): the programs of row block 0 also zero the ``zero_n`` fp32 at
-        ``zero_ptr`` (the next kernel's accumulation buffer), a slice each."""
+        ``zero_ptr`` (the next kernel's accumulation buffer), a slice each. Program axis 2 (PRE only) is the
+        segment of a fused layer: segment ``g`` scales by ``s[g·n …]`` and writes ``seg_y`` elements further.
+        ``ldy``: y's row stride (not FRAG; 0: ``n``)."""
         if PDL:
             gdc_launch_dependents()
             gdc_wait()
         pid_r = tl.program_id(0)
         pid_c = tl.program_id(1)
+        pid_g = tl.program_id(2)
+        s_ptr += pid_g * n
+        y_ptr += pid_g * seg_y
         if ZERO:
-            if pid_r == 0:
+            if (pid_r == 0) & (pid_g == 0):
                 per = tl.cdiv(zero_n, tl.num_programs(1))
                 z_end = tl.minimum(pid_c * per + per, zero_n)
                 zo = tl.arange(0, 512)
@@ -99,7 +104,8 @@ if HAVE_TRITON:
             fo = _xfrag_offsets(r[:, None], c[None, :], n * (4 if FRAG == 2 else 8), FRAG == 2)
             tl.store(y_ptr + fo, y.to(y_ptr.dtype.element_ty), mask=(r < rows_out)[:, None])
         else:
-            tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=rmask[:, None])
+            yoffs = r[:, None] * (n if ldy == 0 else ldy) + c[None, :]
+            tl.store(y_ptr + yoffs, y.to(y_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 def had(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, pre: bool, splits: int = 1,
@@ -108,11 +114,26 @@ def had(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, pre: bool, s
     """pre: out = (x ⊙ scale)·H per 128-block; post: out = (Σ_split x[split])·H ⊙ scale. One launch.
     ``frag`` (pre only): out ``[rows_pad, n]`` in the mma GEMV's fragment order (1: 16-row A fragments,
     2: 8-row B fragments; :func:`xfrag_offsets`), rows past x's zero. ``zero`` (pre only; contiguous fp32):
-    zeroed by the same launch (the accumulation buffer of the kernel that reads ``out``)."""
+    zeroed by the same launch (the accumulation buffer of the kernel that reads ``out``).
+
+    A fused layer's pre-pass (segments g = 0 … G−1, each with its own input scales): ``scale`` ``[G, n]`` and
+    ``out`` ``[G, rows_pad, n]``, ``out[g] = (x ⊙ scale[g])·H``, still one launch. A post-pass may write into
+    a column slice of a wider tensor (``out`` with row stride ≥ n, unit column stride)."""
     if zero is not None and (not pre or zero.dtype != torch.float32 or not zero.is_contiguous()):
         raise ValueError("had: zero= takes a contiguous fp32 tensor, in a pre-pass")
+    groups, seg_y = 1, 0
+    if scale.dim() == 2:
+        if not pre or out.dim() != 3 or out.shape[0] != scale.shape[0] or not out.is_contiguous():
+            raise ValueError("had: scales [G, n] take a pre-pass into a contiguous out [G, rows, n]")
+        groups, seg_y = int(scale.shape[0]), out.stride(0)
+        out = out[0]
     rows_out, n = out.shape
-    rows = x.shape[0] if frag else rows_out
+    ldy = 0
+    if not frag and out.stride(0) != n:
+        if out.stride(1) != 1:
+            raise ValueError("had: out needs a unit column stride")
+        ldy = out.stride(0)
+    rows = x.shape[0] if frag or pre else rows_out      # (a pre-pass leaves out's rows past x's unwritten)
     # One-warp programs (H200, 2026-11-30, one graph of 32 calls per configuration, best of 20-36
     # launch configurations): split-K post-pass one row per program, up to 32 splits per load
     # (4096x14336 rows 8, 19 splits: 4.4 vs 10.7 µs with 4 rows × 4 warps, rows 16 4.4 vs 9.3, rows 4
@@ -129,11 +150,12 @@ def had(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, pre: bool, s
         br, warps, sb = 1, 1, min(32, next_pow2(splits))
     else:
         br, warps, sb = min(4, next_pow2(rows)), 1, 1
-    grid = (triton.cdiv(rows_out, br), n // 128)
+    grid = (triton.cdiv(rows_out if frag else rows, br), n // 128, groups)
     extra = {"PDL": True, "launch_pdl": True} if pdl else {}
     zargs = {"zero_ptr": zero, "zero_n": zero.numel(), "ZERO": True} if zero is not None else {}
     launch_kernel(_had_kernel, grid, x, scale, out, rows, n, splits, stride_split, PRE=pre, BR=br, SB=sb, num_warps=warps,
-                      FRAG=frag, rows_out=rows_out, **extra, **zargs)
+                      FRAG=frag, rows_out=rows_out, **extra, **zargs,
+                      **({"seg_y": seg_y} if groups > 1 else {}), **({"ldy": ldy} if ldy else {}))
     return out
 
 

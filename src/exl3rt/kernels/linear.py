@@ -208,17 +208,32 @@ def _pdl_supported(index: int) -> bool:
         torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def _check(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> tuple[int, int, Bits]:
+MAX_SEGMENTS = 3     # a fused layer's column segments (q/k/v); the kernels take two boundaries
+
+
+def _check(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, bounds: tuple = ()) -> tuple[int, int, Bits]:
     bits = bits_from_trellis(trellis)
     in_p, out_p = trellis.shape[0] * 16, trellis.shape[1] * 16
     if in_p % 128 or out_p % 128:
         raise FormatError(f"trellis {tuple(trellis.shape)}: in/out widths must be multiples of 128")
-    if suh.shape != (in_p,) or svh.shape != (out_p,):
+    want_suh = (len(bounds) + 1, in_p) if bounds else (in_p,)
+    if suh.shape != want_suh or svh.shape != (out_p,):
         raise FormatError(f"suh/svh shapes {tuple(suh.shape)}/{tuple(svh.shape)} do not match the trellis "
-                          f"[{in_p}, {out_p}]")
-    if not trellis.is_contiguous():
-        raise FormatError("trellis must be contiguous")
+                          f"[{in_p}, {out_p}]" + (f" of {len(bounds) + 1} segments" if bounds else ""))
+    if not trellis.is_contiguous() or not suh.is_contiguous():
+        raise FormatError("trellis and suh must be contiguous")
+    if bounds:
+        if len(bounds) >= MAX_SEGMENTS or any(b % 128 for b in bounds) or \
+                list(bounds) != sorted(set(bounds)) or not 0 < bounds[0] <= bounds[-1] < out_p:
+            raise ValueError(f"segment bounds {tuple(bounds)}: at most {MAX_SEGMENTS - 1} increasing multiples of "
+                             f"128 inside (0, {out_p})")
     return in_p, out_p, bits
+
+
+def seg_tiles(bounds: tuple, tn: int) -> tuple[int, int]:
+    """The kernels' two segment boundaries in n-tiles (a missing one at ``tn``: never reached)."""
+    b = [c // 16 for c in bounds] + [tn, tn]
+    return b[0], b[1]
 
 
 def gemv_splits(in_tiles: int, n_blocks: int, target_programs: int, k_multiple: int = 1,
@@ -233,11 +248,12 @@ def gemv_splits(in_tiles: int, n_blocks: int, target_programs: int, k_multiple: 
     return math.ceil(in_tiles / k_per), k_per
 
 
-def _geometry(trellis: torch.Tensor, codebook: str, nt_max: int):
-    """(k-tiles, n-tiles, n-tiles per program (a divisor of n-tiles), kernel K args, codebook args)."""
+def _geometry(trellis: torch.Tensor, codebook: str, nt_max: int, bounds: tuple = ()):
+    """(k-tiles, n-tiles, n-tiles per program (a divisor of n-tiles and of each segment boundary's), kernel K
+    args, codebook args)."""
     in_tiles, tn = int(trellis.shape[0]), int(trellis.shape[1])
     nt = min(nt_max, tn)
-    while tn % nt:
+    while tn % nt or any((b // 16) % nt for b in bounds):
         nt //= 2
     return in_tiles, tn, nt, _kernel_bits(bits_from_trellis(trellis)), _cb_args(codebook)
 
@@ -281,7 +297,8 @@ def xfrag_rows(rows: int, cfg: MmaConfig) -> int:
 
 
 def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Optional[MmaConfig] = None, *,
-                rows: Optional[int] = None, acc: Optional[torch.Tensor] = None, alloc: Optional[Alloc] = None) -> torch.Tensor:
+                rows: Optional[int] = None, acc: Optional[torch.Tensor] = None, alloc: Optional[Alloc] = None,
+                bounds: tuple = ()) -> torch.Tensor:
     """Split-K partials ``z[s] = x'·Q`` (fp32 ``[splits, rows, out_p]``) for fp16 x', by the warp-level mma
     kernel (16·``row_blocks`` rows per program row-block); where :func:`use_atomic` the splits are added into
     one buffer, ``[1, rows, out_p]``: ``acc`` if given (zeroed by the caller, e.g. by the pre-pass), else a
@@ -289,8 +306,15 @@ def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Opt
     row-major; else ``xh`` is x' of ``rows`` rows in fragment order (:func:`hadamard.xfrag_offsets`,
     ``[xfrag_rows(rows, cfg), in_p]``, as the pre-pass writes it with ``frag``): one vector load per lane
     and k-tile instead of 2–4 scalar loads over 8 rows each. ``alloc``: makes the partials' buffer
-    (default ``torch.empty`` on x's device)."""
+    (default ``torch.empty`` on x's device). ``bounds`` (a fused layer, fragment order only): the output columns
+    where segments 1, 2 start; ``xh`` is then ``[segments, rows_pad, in_p]``, segment g's x' in ``xh[g]``."""
     xfrag = rows is not None
+    seg_x = 0
+    if bounds:
+        if not xfrag or xh.dim() != 3 or xh.shape[0] != len(bounds) + 1:
+            raise ValueError("mma_rotated: a fused layer takes x' [segments, rows_pad, in_p] in fragment order")
+        seg_x = xh.stride(0)
+        xh = xh[0]
     if not xfrag:
         rows = xh.shape[0]
     in_p = xh.shape[1]
@@ -298,10 +322,10 @@ def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Opt
     if xfrag and xh.shape[0] != xfrag_rows(rows, cfg):
         raise ValueError(f"fragment-ordered x' of {rows} rows: expected {xfrag_rows(rows, cfg)} rows, got {xh.shape[0]}")
     if cfg.ksplit:
-        in_tiles, tn, nt, (ka, half), (cb, mult, add) = _geometry(trellis, codebook, cfg.nt)
+        in_tiles, tn, nt, (ka, half), (cb, mult, add) = _geometry(trellis, codebook, cfg.nt, bounds)
         warps, nt_warp = cfg.num_warps, nt
     else:
-        in_tiles, tn, nt, (ka, half), (cb, mult, add) = _geometry(trellis, codebook, cfg.nt * cfg.num_warps)
+        in_tiles, tn, nt, (ka, half), (cb, mult, add) = _geometry(trellis, codebook, cfg.nt * cfg.num_warps, bounds)
         warps = min(cfg.num_warps, nt)
         nt_warp = nt // warps
     if cfg.swap and (cfg.ksplit or cfg.row_blocks != 1):
@@ -322,7 +346,8 @@ def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Opt
                           KSPLIT=cfg.ksplit, MB=cfg.row_blocks, SWAP=cfg.swap, UNROLL=unroll, XFRAG=xfrag,
                           HALVES=use_halves(xh.device, cb), num_warps=warps,
                           num_stages=cfg.num_stages, **_pdl_args(xh.device),
-                          **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+                          **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+                          **(dict(zip(("seg_b1", "seg_b2"), seg_tiles(bounds, tn)), seg_x=seg_x) if bounds else {}))
     return z
 
 
@@ -387,8 +412,14 @@ def choose_path(rows: int, gemv_max_rows: int = GEMV_DISPATCH_ROWS, wgmma: bool 
 def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
                 codebook: str, bits: Optional[Bits] = None, *, gemv_max_rows: int = GEMV_DISPATCH_ROWS,
                 path: str = "auto", gemv_cfg: Optional[GemvConfig] = None, mma_cfg: Optional[MmaConfig] = None,
-                decode_cfg: DecodeConfig = DEFAULT_DECODE, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                decode_cfg: DecodeConfig = DEFAULT_DECODE, out_dtype: Optional[torch.dtype] = None,
+                bounds: tuple = ()) -> torch.Tensor:
     """``y = x·W`` for x ``[rows, in_p]`` (padded), W the EXL3 layer; returns ``[rows, out_p]`` in x's dtype.
+
+    A fused layer (several layers of one input and one K, e.g. q/k/v, as one launch sequence): ``trellis`` their
+    trellises concatenated along the output tiles, ``svh`` their output scales concatenated, ``suh``
+    ``[segments, in_p]`` their input scales, ``bounds`` the output columns where segments 1, 2 … start
+    (multiples of 128, at most :data:`MAX_SEGMENTS` segments); ``y[:, a:b] = x·W_g`` for segment g's columns.
 
     ``path``: ``auto`` (:func:`choose_path`), ``gemv``, ``mma`` (any row count, 16 per row block), ``wgmma``
     (Hopper only) or ``decode_mm`` (decode Q to fp16 in memory, then cuBLAS). ``bits`` is only checked against
@@ -397,19 +428,22 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
     """
     if (path == "auto" and bits is None and gemv_cfg is None and mma_cfg is None and out_dtype is None
             and gemv_max_rows == GEMV_DISPATCH_ROWS and decode_cfg is DEFAULT_DECODE):
-        return planned_linear(x, trellis, suh, svh, codebook)
+        return planned_linear(x, trellis, suh, svh, codebook, bounds)
     return _linear(x, trellis, suh, svh, codebook, bits, gemv_max_rows=gemv_max_rows, path=path, gemv_cfg=gemv_cfg,
-                   mma_cfg=mma_cfg, decode_cfg=decode_cfg, out_dtype=out_dtype)
+                   mma_cfg=mma_cfg, decode_cfg=decode_cfg, out_dtype=out_dtype, bounds=bounds)
 
 
 def _linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str,
             bits: Optional[Bits] = None, *, gemv_max_rows: int = GEMV_DISPATCH_ROWS, path: str = "auto",
             gemv_cfg: Optional[GemvConfig] = None, mma_cfg: Optional[MmaConfig] = None,
             decode_cfg: DecodeConfig = DEFAULT_DECODE, out_dtype: Optional[torch.dtype] = None,
-            alloc: Optional[Alloc] = None, taken: Optional[list] = None) -> torch.Tensor:
+            alloc: Optional[Alloc] = None, taken: Optional[list] = None, bounds: tuple = ()) -> torch.Tensor:
     """:func:`exl3_linear` decided and launched in full. ``alloc`` makes every scratch buffer (default
-    ``torch.empty`` on x's device); ``taken`` (a list) receives the path run."""
-    in_p, out_p, kbits = _check(trellis, suh, svh)
+    ``torch.empty`` on x's device); ``taken`` (a list) receives the path run; ``bounds``: a fused layer's
+    segment boundaries (:func:`exl3_linear`)."""
+    bounds = tuple(int(b) for b in bounds)
+    in_p, out_p, kbits = _check(trellis, suh, svh, bounds)
+    nseg = len(bounds) + 1
     if bits is not None and float(bits) != float(kbits):
         raise FormatError(f"bits={bits} does not match the trellis shape (K = {kbits})")
     if x.dim() != 2 or x.shape[1] != in_p:
@@ -430,6 +464,8 @@ def _linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torc
     if taken is not None:
         taken.append(path)
     if path == "gemv":
+        if bounds:
+            raise ValueError("path='gemv' does not run fused layers (segment bounds)")
         if rows > GEMV_MAX_ROWS:
             raise ValueError(f"path='gemv' takes at most {GEMV_MAX_ROWS} rows, got {rows}")
         xh = alloc((rows, in_p), torch.float32)
@@ -440,10 +476,10 @@ def _linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torc
     if path == "mma":
         pdl = _use_pdl(x.device)
         cfg = mma_cfg or default_mma_config(rows, kbits)
-        xf = alloc((xfrag_rows(rows, cfg), in_p), torch.float16)
+        xf = alloc((nseg, xfrag_rows(rows, cfg), in_p) if bounds else (xfrag_rows(rows, cfg), in_p), torch.float16)
         acc = alloc((1, rows, out_p), torch.float32) if use_atomic(cfg) else None
         _had(x, suh, xf, pre=True, pdl=pdl, frag=2 if cfg.swap else 1, zero=acc)   # (zeroes acc)
-        z = mma_rotated(xf, trellis, codebook, cfg, rows=rows, acc=acc, alloc=alloc)
+        z = mma_rotated(xf, trellis, codebook, cfg, rows=rows, acc=acc, alloc=alloc, bounds=bounds)
         _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0), pdl=pdl)
         return y
     if path == "wgmma":
@@ -451,18 +487,28 @@ def _linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torc
         pdl = wcfg.pdl and _use_pdl(x.device)
         # x' in whole row blocks (no TMA box past its end: ~2x faster for a partial last block); rows past x's
         # are left unwritten: they only reach product rows that are not stored
-        xh = alloc((_wg.padded_rows(rows, wcfg), in_p), torch.float16)
+        padded = _wg.padded_rows(rows, wcfg)
+        xh = alloc((nseg * padded, in_p), torch.float16)
         atomic = _wg.launch_splits(in_p // 16, out_p // 16, wcfg)[2]
         acc = alloc((1, rows, out_p), torch.float32) if atomic else None
-        _had(x, suh, xh[:rows], pre=True, pdl=pdl, zero=acc)                          # (zeroes acc)
-        z = _wg.wgmma_rotated(xh, trellis, codebook, wcfg, pdl=pdl, rows=rows, acc=acc, alloc=alloc)
+        _had(x, suh, xh.view(nseg, padded, in_p) if bounds else xh[:rows], pre=True, pdl=pdl, zero=acc)  # (zeroes acc)
+        z = _wg.wgmma_rotated(xh, trellis, codebook, wcfg, pdl=pdl, rows=rows, acc=acc, alloc=alloc,
+                              seg=(*seg_tiles(bounds, out_p // 16), padded) if bounds else None)
         _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0), pdl=pdl)
         return y
-    xh = alloc((rows, in_p), torch.float16)
+    xh = alloc((nseg, rows, in_p) if bounds else (rows, in_p), torch.float16)
     _had(x, suh, xh, pre=True)
     q = decode_fp16(trellis, codebook, decode_cfg)
-    z = torch.matmul(xh, q).float() if x.device.type == "cpu" else _mm_fp32(xh, q)
-    _had(z, svh, y, pre=False)
+    if not bounds:
+        z = torch.matmul(xh, q).float() if x.device.type == "cpu" else _mm_fp32(xh, q)
+        _had(z, svh, y, pre=False)
+        return y
+    edges = (0, *bounds, out_p)
+    for g in range(nseg):       # each segment's product, rotated straight into its columns of y
+        a, b = edges[g], edges[g + 1]
+        qg = q[:, a:b]
+        z = torch.matmul(xh[g], qg).float() if x.device.type == "cpu" else _mm_fp32(xh[g], qg)
+        _had(z, svh[a:b], y[:, a:b], pre=False)
     return y
 
 
@@ -523,7 +569,7 @@ def stream_workspace(dev: int, stream: int) -> Optional[torch.Tensor]:
 
 
 def planned_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
-                   codebook: str) -> torch.Tensor:
+                   codebook: str, bounds: tuple = ()) -> torch.Tensor:
     """:func:`exl3_linear` with default options, planned: the first call of a layer (trellis, scales,
     codebook) at a row count, dtype and device decides the path, compiles and launches as usual and records
     the launches; later calls allocate the output, take their scratch from the stream's workspace where
@@ -534,16 +580,16 @@ def planned_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
     dev = x.get_device()
     if dev >= 0 and torch._C._cuda_getDevice() != dev:      # Triton launches on the current device
         with torch.cuda.device(dev):
-            return planned_linear(x, trellis, suh, svh, codebook)
+            return planned_linear(x, trellis, suh, svh, codebook, bounds)
     key = (trellis.data_ptr(), trellis.shape, trellis.dtype, suh.data_ptr(), suh.dtype, svh.data_ptr(), svh.dtype,
-           x.shape, x.dtype, dev, codebook)
+           x.shape, x.dtype, dev, codebook, bounds)
     if x.data_ptr() & 15 or not x.is_contiguous():      # not what a replay's kernels were specialized on
-        return _linear(x, trellis, suh, svh, codebook)
+        return _linear(x, trellis, suh, svh, codebook, bounds=bounds)
     plan = _PLANS.get(key)
     if plan is None:
-        return _plan_call(key, x, trellis, suh, svh, codebook)
+        return _plan_call(key, x, trellis, suh, svh, codebook, bounds)
     if plan.replay is None:
-        return _linear(x, trellis, suh, svh, codebook)
+        return _linear(x, trellis, suh, svh, codebook, bounds=bounds)
     return _run_plan(plan, x, dev)
 
 
@@ -554,11 +600,11 @@ def _run_plan(plan: LinearPlan, x: torch.Tensor, dev: int) -> torch.Tensor:
     return y
 
 
-def _plan_call(key: tuple, x, trellis, suh, svh, codebook) -> torch.Tensor:
+def _plan_call(key: tuple, x, trellis, suh, svh, codebook, bounds: tuple = ()) -> torch.Tensor:
     """Run the call in full; where it is plannable (a planned path, no launch hook installed) record its
     launches as the key's plan."""
     if not direct_launch_ok():
-        return _linear(x, trellis, suh, svh, codebook)
+        return _linear(x, trellis, suh, svh, codebook, bounds=bounds)
     specs, allocated, taken = [], [], []
 
     def alloc(shape, dtype):
@@ -568,7 +614,7 @@ def _plan_call(key: tuple, x, trellis, suh, svh, codebook) -> torch.Tensor:
         return t
 
     with Recording() as rec:
-        y = _linear(x, trellis, suh, svh, codebook, alloc=alloc, taken=taken)
+        y = _linear(x, trellis, suh, svh, codebook, alloc=alloc, taken=taken, bounds=bounds)
     if not taken or taken[0] not in PLANNED_PATHS:
         _remember(key, LinearPlan(tuple(y.shape), y.dtype, (), 0, None))
         return y
@@ -617,10 +663,10 @@ def prewarm_rows(device: str | torch.device) -> tuple[int, ...]:
     return WGMMA_PREWARM_ROWS if _wg.available(torch.device(device)) else PREWARM_ROWS
 
 
-def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Optional[Iterable[int]] = None,
+def prewarm(shapes: Iterable[tuple], rows: Optional[Iterable[int]] = None,
             *, device: str | torch.device = "cuda", dtype: torch.dtype = torch.float16) -> int:
-    """Compile every specialization needed for layers ``(in_p, out_p, K, codebook)`` and row counts
-    (default :func:`prewarm_rows` of the device).
+    """Compile every specialization needed for layers ``(in_p, out_p, K, codebook)`` (a fused layer:
+    ``(in_p, out_p, K, codebook, bounds)``) and row counts (default :func:`prewarm_rows` of the device).
 
     Runs each distinct (shape, K, codebook, :func:`specialization`) once on random codes; returns
     the number of launches of :func:`exl3_linear` it made, and reserves the current stream's workspace for
@@ -631,13 +677,14 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Optional[Iterabl
     done = set()
     wg = _wg.available(torch.device(device))
     rows = (WGMMA_PREWARM_ROWS if wg else PREWARM_ROWS) if rows is None else tuple(rows)
-    for in_p, out_p, bits, codebook in shapes:
+    for in_p, out_p, bits, codebook, *more in shapes:
+        bounds = tuple(more[0]) if more else ()
         w = words16_per_tile(bits)
         trellis = torch.randint(-32768, 32767, (in_p // 16, out_p // 16, w), dtype=torch.int16, device=device)
-        suh = torch.ones(in_p, dtype=torch.float16, device=device)
+        suh = torch.ones((len(bounds) + 1, in_p) if bounds else (in_p,), dtype=torch.float16, device=device)
         svh = torch.ones(out_p, dtype=torch.float16, device=device)
         for r in rows:
-            key = (in_p, out_p, bits, codebook, dtype, specialization(r, bits, wg))
+            key = (in_p, out_p, bits, codebook, bounds, dtype, specialization(r, bits, wg))
             if key in done:
                 continue
             done.add(key)
@@ -646,7 +693,8 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Optional[Iterabl
             def alloc(shape, dt):
                 scratch.append(slot_bytes(tuple(shape), dt))
                 return torch.empty(shape, dtype=dt, device=device)
-            _linear(torch.randn(r, in_p, dtype=dtype, device=device), trellis, suh, svh, codebook, alloc=alloc)
+            _linear(torch.randn(r, in_p, dtype=dtype, device=device), trellis, suh, svh, codebook, alloc=alloc,
+                    bounds=bounds)
             need = max(need, sum(scratch))
             n += 1
     if torch.device(device).type == "cuda":
@@ -656,7 +704,7 @@ def prewarm(shapes: Iterable[tuple[int, int, Bits, str]], rows: Optional[Iterabl
     return n
 
 
-__all__ = ["exl3_linear", "gemv_rotated", "decode_fp16", "prewarm", "prewarm_rows", "GemvConfig", "DecodeConfig",
+__all__ = ["MAX_SEGMENTS", "seg_tiles", "exl3_linear", "gemv_rotated", "decode_fp16", "prewarm", "prewarm_rows", "GemvConfig", "DecodeConfig",
            "MmaConfig", "mma_rotated", "use_atomic", "xfrag_rows", "choose_path", "default_mma_config", "specialization",
            "PREWARM_ROWS", "WGMMA_PREWARM_ROWS", "WGMMA_MIN_ROWS", "WGMMA_MIN_ROWS_WIDE", "MMA_16_BITS", "WGMMA_MAX_ROWS",
            "WGMMA_GAP", "MMA_MAX_ROWS",

@@ -287,21 +287,25 @@ if HAVE_TRITON:
                 new_acc = new_acc + ((lo, hi),)
         return new_acc
 
-    @triton.jit(do_not_specialize=["rows", "one"])
+    @triton.jit(do_not_specialize=["rows", "one", "seg_b1", "seg_b2"])
     def _mma_kernel(x_ptr, w_ptr, z_ptr, rows, in_tiles, tn_total, k_per, stride_x, stride_zs, one,
                     KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
                     ADD: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr,
                     ASM: tl.constexpr, KSPLIT: tl.constexpr, MB: tl.constexpr, SWAP: tl.constexpr,
                     PDL: tl.constexpr = False, UNROLL: tl.constexpr = 2, XFRAG: tl.constexpr = False,
-                    HALVES: tl.constexpr = False, ATOMIC: tl.constexpr = False):
+                    HALVES: tl.constexpr = False, ATOMIC: tl.constexpr = False, seg_b1=0, seg_b2=0, seg_x=0):
         """z[split, m, n] = Σ_{k in split} x'[m, k]·Q[k, n] for 16·MB rows (8 with SWAP; pid 2), NT·WARPS
         n-tiles (NT with KSPLIT: the warps split the k-tiles), one K-split. ``ATOMIC`` (not with KSPLIT; the host
-        passes ``stride_zs = 0``): every split adds into the one zeroed buffer ``z[0]`` (fp32 ``red.add``)."""
+        passes ``stride_zs = 0``): every split adds into the one zeroed buffer ``z[0]`` (fp32 ``red.add``).
+        A fused layer (``seg_x`` > 0): the n-tiles from ``seg_b1`` (``seg_b2``) on read the x' ``seg_x`` (twice
+        that) fp16 further — each column segment has its own x'."""
         # PDL: no early trigger here — the post-pass's programs would sit on SMs waiting for this grid
         # (measured: rows 4-16 slower); they launch when this grid exits, then wait for its writes
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
+        t0 = pid_n * NT * (1 if KSPLIT else WARPS)
+        x_ptr += ((t0 >= seg_b1).to(tl.int32) + (t0 >= seg_b2).to(tl.int32)) * seg_x
         a0 = pid_k * k_per
         a1 = tl.minimum(a0 + k_per, in_tiles)
         _mma_pass(x_ptr, w_ptr, z_ptr + pid_k * stride_zs, rows, pid_m * (8 if SWAP else 16) * MB, a0, a1, pid_n,

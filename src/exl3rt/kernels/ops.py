@@ -9,6 +9,11 @@ a Triton kernel, and settings are read outside the traced code.
     given, is that product's dense ``W[:in, :out]`` already decoded in ``x.dtype`` (the CPU path keeps one,
     prepared outside traced code): then ``y = x @ weight``. Otherwise CUDA runs the Triton kernels
     (:func:`exl3rt.kernels.exl3_linear`) and any other device decodes W for the call.
+
+``exl3rt::fused_linear(x, trellis, suh, svh, codebook, bounds) -> y``
+    Several layers of one input in one call (:mod:`exl3rt.runtime.fusion`): ``trellis`` theirs concatenated along
+    the output tiles, ``suh [segments, in_p]``, ``svh`` concatenated, ``bounds`` the output columns where
+    segments 1, 2 … start; ``y [..., out_p]`` (every segment's padded width) with ``y[..., a:b] = x·W_g``.
 """
 
 from __future__ import annotations
@@ -52,8 +57,41 @@ def _(x, trellis, suh, svh, weight, codebook, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+def fused_linear_impl(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str,
+                      bounds: list[int]) -> torch.Tensor:
+    """What ``exl3rt::fused_linear`` computes (its implementation)."""
+    bounds = tuple(bounds)
+    out_p = trellis.shape[1] * 16
+    if x.is_cuda and _kernel() is not None:
+        return padded_linear(x, trellis, suh, svh, codebook, out_p, bounds)
+    edges = (0, *bounds, out_p)
+    w = torch.cat([reconstruct(trellis[:, a // 16:b // 16].contiguous(), suh[g], svh[a:b], codebook)
+                   for g, (a, b) in enumerate(zip(edges[:-1], edges[1:]))], dim=1)
+    return torch.matmul(x, w[:x.shape[-1]].to(x.dtype))
+
+
+@torch.library.custom_op("exl3rt::fused_linear", mutates_args=())
+def fused_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str,
+                 bounds: list[int]) -> torch.Tensor:
+    return fused_linear_impl(x, trellis, suh, svh, codebook, bounds)
+
+
+@fused_linear.register_fake
+def _(x, trellis, suh, svh, codebook, bounds):
+    return x.new_empty((*x.shape[:-1], trellis.shape[1] * 16))
+
+
+def call_fused_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str,
+                      bounds: tuple) -> torch.Tensor:
+    """``torch.ops.exl3rt.fused_linear(...)`` where anything traces, its implementation directly in plain eager mode
+    (as :func:`call_linear`)."""
+    if type(x) is torch.Tensor and not torch.compiler.is_compiling():
+        return fused_linear_impl(x, trellis, suh, svh, codebook, bounds)
+    return torch.ops.exl3rt.fused_linear(x, trellis, suh, svh, codebook, list(bounds))
+
+
 def padded_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str,
-                  out_features: int) -> torch.Tensor:
+                  out_features: int, bounds: tuple = ()) -> torch.Tensor:
     """The kernels' contract: flatten to 2-D, zero-pad to ``in_p``, ``[rows, in_p] -> [rows, out_p]``, trim to
     ``out_features``. The Triton kernels on CUDA; elsewhere (or without Triton) the untrimmed W decoded."""
     shape = x.shape
@@ -64,7 +102,8 @@ def padded_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh
         x2 = torch.nn.functional.pad(x2, (0, in_p - in_features))
     kernel = _kernel()
     if kernel is not None and x.is_cuda:
-        y = kernel(x2.contiguous(), trellis, suh, svh, codebook)
+        y = kernel(x2.contiguous(), trellis, suh, svh, codebook, bounds=bounds) if bounds else \
+            kernel(x2.contiguous(), trellis, suh, svh, codebook)
     else:
         y = x2 @ reconstruct(trellis, suh, svh, codebook).to(x.dtype)
     if trellis.shape[1] * 16 != out_features:
@@ -88,4 +127,5 @@ def _kernel():
     return _KERNEL[0]
 
 
-__all__ = ["linear", "linear_impl", "call_linear", "padded_linear"]
+__all__ = ["linear", "linear_impl", "call_linear", "padded_linear", "fused_linear", "fused_linear_impl",
+           "call_fused_linear"]

@@ -395,15 +395,18 @@ if HAVE_GLUON:
 
     # nothing that follows from the row count is a specialization (rows, the partials' split stride, the
     # k-tiles per split): a prewarm at one row count of a bucket covers the others
-    @gluon.jit(do_not_specialize=["rows", "k_per", "stride_zs", "one"])
+    @gluon.jit(do_not_specialize=["rows", "k_per", "stride_zs", "one", "seg_b1", "seg_b2", "seg_rows"])
     def _wgmma_kernel(x_desc, w_ptr, z_ptr, rows, k_tiles, n_tiles, k_per, stride_zs, one,
                       KA: gl.constexpr, HALF: gl.constexpr, NWL: gl.constexpr, TEXT: gl.constexpr,
                       CONS: gl.constexpr, BR: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                      PDL: gl.constexpr = False, PAIR: gl.constexpr = False, ATOMIC: gl.constexpr = False):
+                      PDL: gl.constexpr = False, PAIR: gl.constexpr = False, ATOMIC: gl.constexpr = False,
+                      seg_b1=0, seg_b2=0, seg_rows=0):
         """Program (pid_n, pid_m, pid_k): columns ``64·pid_n …``, rows ``BR·pid_m …``, k-tiles
         ``[pid_k·k_per, …)`` of ``z[pid_k] = x'·Q``; ``x_desc``: TMA descriptor of x' ([rows, K] fp16,
         ``[BR, 64]`` boxes). ``PDL`` (programmatic dependent launch): the next kernel may launch now; the
-        first chunk's words are loaded before waiting for the previous kernel (which writes x')."""
+        first chunk's words are loaded before waiting for the previous kernel (which writes x'). A fused layer
+        (``seg_rows`` > 0): the n-tiles from ``seg_b1`` (``seg_b2``) on read x' rows ``seg_rows`` (twice that)
+        further down — each column segment has its own x'."""
         if PDL:
             _gdc("griddepcontrol.launch_dependents;")
         pid_n = gl.program_id(0)
@@ -421,12 +424,14 @@ if HAVE_GLUON:
         for s in gl.static_range(STAGES):
             mbarrier.init(bars.index(s), count=1)
         m0 = pid_m * BR
+        t0 = pid_n * _WARPS
+        mx = m0 + ((t0 >= seg_b1).to(gl.int32) + (t0 >= seg_b2).to(gl.int32)) * seg_rows   # x' row of m0
         wc = _chunk_words(wb, 0, kstride, nchunks > 0, idx, NWL)
         if PDL:
             _gdc("griddepcontrol.wait;")
         for s in gl.static_range(STAGES):
-            _refill(x_desc, xs, bars, s, m0, a0 + s * _KC, s < nchunks)
-        acc = _chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
+            _refill(x_desc, xs, bars, s, mx, a0 + s * _KC, s < nchunks)
+        acc = _chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, mx, a0, idx, rsh, xorc,
                       TEXT, CONS, NWL, DOT, STAGES, OVERLAP, PAIR)
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
@@ -449,7 +454,7 @@ def padded_rows(rows: int, cfg: WgmmaConfig) -> int:
 
 def wgmma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Optional[WgmmaConfig] = None,
                   pdl: bool = False, rows: Optional[int] = None, acc: Optional[torch.Tensor] = None,
-                  alloc=None) -> torch.Tensor:
+                  alloc=None, seg: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
     """Split-K partials ``z [splits, rows, out_p]`` (fp32) of ``xh[:rows]`` (fp16, row-major, 16-byte
     aligned rows) times the layer's Q, on a device where :func:`available` holds; where :func:`use_atomic` the
     splits are added into one buffer ``[1, rows, out_p]``: ``acc`` if given (zeroed by the caller, e.g. by the
@@ -457,13 +462,17 @@ def wgmma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: O
     ``xh``): ``xh`` may hold more rows — give it :func:`padded_rows` rows (their content is read but only
     changes rows of the product that are not stored), else the last row block's TMA boxes reach past its end,
     which is correct but slow. ``pdl``: launch as a programmatic dependent of the kernel that wrote ``xh``
-    (and let the next one launch early). ``alloc``: makes the partials' buffer (default ``torch.empty``)."""
+    (and let the next one launch early). ``alloc``: makes the partials' buffer (default ``torch.empty``).
+    ``seg`` (a fused layer): ``(b1, b2, seg_rows)``, the n-tiles where column segments 1 and 2 start and the rows
+    of x' per segment — segment g's x' is ``xh[g·seg_rows : g·seg_rows + rows]``."""
     from ..format.bits import bits_from_trellis
     from .linear import split_buffer
     if not available(xh.device):
         raise RuntimeError("the wgmma kernel needs a CUDA device of compute capability 9.0 and Triton's Gluon "
                            "(and EXL3RT_KERNEL_NO_WGMMA / EXL3RT_KERNEL_NO_ASM unset)")
     x_rows, in_p = xh.shape
+    if seg is not None:
+        x_rows = seg[2]
     rows = x_rows if rows is None else int(rows)
     if not 0 < rows <= x_rows:
         raise ValueError(f"wgmma_rotated: rows={rows} must be in 1..{x_rows} (the rows of x')")
@@ -486,7 +495,8 @@ def wgmma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: O
     launch(_wgmma_kernel, (grid_n, grid_m, splits), desc, trellis.view(torch.int32), z, rows, k_tiles, n_tiles, k_per,
                                             0 if atomic else z.stride(0), 1, num_warps=WARPS,
                                             **kernel_constants(bits_from_trellis(trellis), codebook, cfg, pdl, atomic),
-                                            **extra)
+                                            **extra,
+                                            **(dict(seg_b1=seg[0], seg_b2=seg[1], seg_rows=seg[2]) if seg else {}))
     return z
 
 

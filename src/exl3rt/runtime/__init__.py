@@ -10,6 +10,7 @@
 
 from .config import QUANT_METHOD, Exl3Config, Exl3ConfigError
 from .experts import Exl3Experts
+from .fusion import fuse_linears, unfuse_linears
 from .export import save_exl3
 from .linear import Exl3Linear
 from .policy import PolicyError, select_targets
@@ -18,4 +19,4 @@ from .quantize_model import quantize_model
 from .router_stats import TopRouted
 
 __all__ = ["QUANT_METHOD", "Exl3Config", "Exl3ConfigError", "Exl3Experts", "Exl3Linear", "PolicyError",
-           "quantize_model", "select_targets", "Exl3MoE", "TopRouted", "save_exl3"]
+           "quantize_model", "select_targets", "Exl3MoE", "TopRouted", "save_exl3", "fuse_linears", "unfuse_linears"]

@@ -71,6 +71,8 @@ class Exl3Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self._w_cache: Optional[torch.Tensor] = None
+        self._fused = None       # the FusedLinears this layer is a member of (exl3rt.runtime.fusion)
+        self._fused_index = 0
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -95,6 +97,7 @@ class Exl3Linear(nn.Module):
         else:
             m.register_parameter("bias", None)
         m._w_cache = None
+        m._fused, m._fused_index = None, 0
         return m
 
     # ---- facts ---------------------------------------------------------------------------------
@@ -112,7 +115,7 @@ class Exl3Linear(nn.Module):
 
     def encoded(self) -> EncodedLinear:
         """The codes as an :class:`EncodedLinear` (sharing this module's tensors; bias not included)."""
-        return EncodedLinear(trellis=self.trellis, suh=self.suh, svh=self.svh, codebook=self.codebook,
+        return EncodedLinear(trellis=self.trellis.contiguous(), suh=self.suh, svh=self.svh, codebook=self.codebook,
                              in_features=self.in_features, out_features=self.out_features, name=self.name)
 
     def extra_repr(self) -> str:
@@ -135,6 +138,8 @@ class Exl3Linear(nn.Module):
         scales follow the device change only. The bias follows the model's dtype like any parameter.
         """
         self._w_cache = None
+        if self._fused is not None:         # the group's fused tensors would not follow
+            self._fused.dissolve()
         scales = {n: self._buffers[n] for n in ("suh", "svh") if self._buffers.get(n) is not None}
         out = super()._apply(fn, recurse)
         for n, original in scales.items():
@@ -154,7 +159,7 @@ class Exl3Linear(nn.Module):
         if cached is not None and cached.dtype == dtype and cached.device == self.trellis.device \
                 and tuple(cached.shape) == want:
             return cached
-        w = reconstruct(self.trellis, self.suh, self.svh, self.codebook)
+        w = reconstruct(self.trellis.contiguous(), self.suh, self.svh, self.codebook)
         if trim:
             w = w[: self.in_features, : self.out_features]
         w = w.to(dtype).contiguous()
@@ -164,9 +169,15 @@ class Exl3Linear(nn.Module):
 
     # ---- kernel prewarm -------------------------------------------------------------------------------
     def kernel_key(self, dtype: torch.dtype) -> tuple:
-        """What the CUDA kernels specialize on for this layer and activation ``dtype`` (the row count aside):
-        layers with equal keys share every compiled specialization."""
-        return (self.in_padded, self.out_padded, self.bits, self.codebook, dtype, str(self.trellis.device))
+        """What the CUDA kernels specialize on for this layer (for a member of a fused group: the group's fused
+        layer) and activation ``dtype`` (the row count aside): layers with equal keys share every compiled
+        specialization."""
+        return (*self._kernel_shape(), dtype, str(self.trellis.device))
+
+    def _kernel_shape(self) -> tuple:
+        if self._fused is not None:
+            return self._fused.shape()
+        return (self.in_padded, self.out_padded, self.bits, self.codebook)
 
     def _on_kernel_device(self) -> bool:
         """True where the forward runs exl3rt's Triton kernels (CUDA)."""
@@ -185,8 +196,7 @@ class Exl3Linear(nn.Module):
                 return 0
             done.add(key)
         from ..kernels.linear import prewarm
-        return prewarm([(self.in_padded, self.out_padded, self.bits, self.codebook)],
-                       device=self.trellis.device, dtype=dtype)
+        return prewarm([self._kernel_shape()], device=self.trellis.device, dtype=dtype)
 
     # ---- forward ------------------------------------------------------------------------------------
     def _check_input(self, x: torch.Tensor) -> None:
@@ -200,10 +210,18 @@ class Exl3Linear(nn.Module):
         """``[..., in_features] -> [..., out_features]`` in ``x.dtype``: one ``torch.ops.exl3rt.linear`` call
         (:mod:`exl3rt.kernels.ops`; in plain eager mode its implementation directly), then the bias."""
         self._check_input(x)
-        y = call_linear(x, self.trellis, self.suh, self.svh, self._dense_for(x), self.codebook, self.out_features)
+        if self._fused is not None:         # a member of a fused group (exl3rt.runtime.fusion)
+            y = self._fused.output(self._fused_index, x)
+        else:
+            y = self.product(x)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x · W`` of this layer alone (no bias, no fused group)."""
+        return call_linear(x, self.trellis.contiguous(), self.suh, self.svh, self._dense_for(x), self.codebook,
+                           self.out_features)
 
     def prepare(self, dtype: torch.dtype, done: Optional[set] = None) -> int:
         """Get ready for activations of ``dtype`` outside any traced code: on CUDA compile the kernels

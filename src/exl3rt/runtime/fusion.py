@@ -1,0 +1,140 @@
+"""Sibling EXL3 linears that read one input, run as one fused layer (q/k/v, gate/up).
+
+A decoder layer calls ``q_proj(x)``, ``k_proj(x)`` and ``v_proj(x)`` on the same ``x``, and ``gate_proj(x)`` and
+``up_proj(x)`` likewise. Run apart, each is a full set of kernel launches, and the small ones (k/v) leave most of
+the GPU idle. :func:`fuse_linears` joins such siblings (same input width, K, codebook and device) into one
+:class:`FusedLinears`: their trellises concatenated along the output tiles, their output scales concatenated,
+their input scales stacked, so one ``torch.ops.exl3rt.fused_linear`` call computes every member's output.
+
+The members stay in the model as they were (names, ``state_dict``, export): their buffers become views of the
+fused tensors. The first member called on an input runs the fused call and keeps its output; the other members
+called on the *same tensor object* (unchanged since) take their columns from it, and the last one drops it. A
+member called on another input runs the fused call again (still correct, only slower). This is plain Python
+state, which torch.compile traces (one fused op per group in the graph).
+
+Moving a member (``.to``, ``.cuda`` …) or replacing its buffers dissolves the group: each member gets contiguous
+buffers of its own again.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from ..kernels.ops import call_fused_linear
+from .linear import Exl3Linear
+
+#: sibling names that a decoder layer calls on one input, in the order it calls them
+FUSABLE_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class FusedLinears:
+    """The fused tensors of a group of :class:`Exl3Linear` (their buffers are views of these) and the output of
+    the last fused call, kept until every member took its columns."""
+
+    def __init__(self, members: list[Exl3Linear]):
+        first = members[0]
+        self.members = list(members)
+        self.codebook = first.codebook
+        widths = [m.out_padded for m in members]
+        starts = [sum(widths[:i]) for i in range(len(widths))]
+        self.bounds = tuple(starts[1:])
+        self.columns = [(a, a + m.out_features) for a, m in zip(starts, members)]
+        with torch.no_grad():
+            self.trellis = torch.cat([m.trellis for m in members], dim=1)
+            self.suh = torch.stack([m.suh for m in members])
+            self.svh = torch.cat([m.svh for m in members])
+        self.views = []
+        for i, (m, a, w) in enumerate(zip(members, starts, widths)):
+            views = (self.trellis[:, a // 16:(a + w) // 16], self.suh[i], self.svh[a:a + w])
+            m._buffers["trellis"], m._buffers["suh"], m._buffers["svh"] = views
+            m._fused, m._fused_index = self, i
+            self.views.append(views)
+        self._out: Optional[torch.Tensor] = None
+        self._x: Optional[torch.Tensor] = None
+        self._version = -1
+        self._left = 0
+
+    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Member ``index``'s output for ``x`` (its columns of the fused call's output; no bias)."""
+        compiling = torch.compiler.is_compiling()
+        if not compiling and not self._intact(index):
+            member = self.members[index]
+            self.dissolve()
+            return member.product(x)
+        out = self._out
+        if out is None or self._x is not x or (not compiling and x._version != self._version):
+            out = call_fused_linear(x, self.trellis, self.suh, self.svh, self.codebook, self.bounds)
+            self._out, self._x, self._left = out, x, len(self.members)
+            if not compiling:
+                self._version = x._version
+        self._left -= 1
+        if self._left <= 0:       # every member served: hold nothing between forwards
+            self._out = self._x = None
+        a, b = self.columns[index]
+        return out[..., a:b]
+
+    def _intact(self, index: int) -> bool:
+        """Member ``index`` still holds its views (no buffer replaced by a load or a move): its columns of the fused
+        call are its own product."""
+        m, (t, s, v) = self.members[index], self.views[index]
+        b = m._buffers
+        return b.get("trellis") is t and b.get("suh") is s and b.get("svh") is v
+
+    def dissolve(self) -> None:
+        """Give each member contiguous buffers of its own (copies of what it holds now) and end the group."""
+        with torch.no_grad():
+            for m in self.members:
+                for name in ("trellis", "suh", "svh"):
+                    t = m._buffers.get(name)
+                    if t is not None:
+                        m._buffers[name] = t.clone(memory_format=torch.contiguous_format)
+                m._fused, m._fused_index = None, 0
+        self.members, self.views = [], []
+        self._out = self._x = None
+
+    def shape(self) -> tuple:
+        """``(in_p, out_p, K, codebook, bounds)``: what the kernels specialize on (:func:`exl3rt.kernels.prewarm`)."""
+        first = self.members[0]
+        return (first.in_padded, int(self.trellis.shape[1]) * 16, first.bits, self.codebook, self.bounds)
+
+
+def _fusable(members: list, devices: tuple) -> bool:
+    if not all(type(m) is Exl3Linear and m._fused is None for m in members):
+        return False
+    first = members[0]
+    return all(m.in_features == first.in_features and m.bits == first.bits and m.codebook == first.codebook
+               and m.trellis.device == first.trellis.device and m.trellis.device.type in devices
+               and m.suh.dtype == first.suh.dtype and m.svh.dtype == first.svh.dtype
+               and not m.dequant_cache and m.trellis.is_contiguous() for m in members)
+
+
+def fuse_linears(model: nn.Module, groups: Iterable[tuple[str, ...]] = FUSABLE_GROUPS,
+                 devices: tuple[str, ...] = ("cuda",)) -> int:
+    """Fuse every group of sibling :class:`Exl3Linear` named in ``groups`` (default :data:`FUSABLE_GROUPS`) that
+    read one input, with one K and codebook, on one device of a type in ``devices`` (CUDA: elsewhere a layer
+    multiplies by its kept dense weight, which fusing would not speed up); returns how many groups were fused.
+    Siblings that differ (in K, say) stay as they are. Memory: one group's codes are copied once, then the
+    originals are freed."""
+    n = 0
+    for parent in list(model.modules()):
+        children = parent._modules
+        for names in groups:
+            members = [children.get(name) for name in names]
+            if all(m is not None for m in members) and _fusable(members, tuple(devices)):
+                FusedLinears(members)
+                n += 1
+    return n
+
+
+def unfuse_linears(model: nn.Module) -> int:
+    """Dissolve every fused group in ``model``; returns how many."""
+    groups = {id(m._fused): m._fused for m in model.modules() if isinstance(m, Exl3Linear) and m._fused is not None}
+    for g in groups.values():
+        g.dissolve()
+    return len(groups)
+
+
+__all__ = ["FUSABLE_GROUPS", "FusedLinears", "fuse_linears", "unfuse_linears"]
