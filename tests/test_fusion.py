@@ -143,3 +143,18 @@ def test_a_fused_model_compiles_fullgraph_with_one_fused_op_per_group(monkeypatc
         got = compiled(ids, use_cache=False).logits
     assert len(calls) == 4
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernels run on a GPU")
+def test_on_a_gpu_fused_groups_give_the_unfused_logits_eager_and_compiled():
+    model = random_llama().cuda().half()
+    ids = torch.tensor([[1, 5, 9, 12, 3, 7]], device="cuda")
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits.float()
+        assert fuse_linears(model) == 4
+        got = model(ids, use_cache=False).logits.float()
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        for _ in range(3):
+            comp = compiled(ids, use_cache=False).logits.float()
+    for y in (got, comp):
+        assert float((y - want).norm() / want.norm()) < 1e-2
