@@ -106,7 +106,7 @@ def build_sm90(fn, block_rows: int, args: dict, constexprs: dict, **options) -> 
 
     from exl3rt.kernels import wgmma as wg
     desc = wg.TensorDescriptor.from_tensor(torch.empty(256, 1024, dtype=torch.float16), [block_rows, 64],
-                                           wg._x_layout(block_rows))
+                                           wg.x_layout(block_rows))
     types = {"x_desc": mangle_type(desc), **args, **{k: "constexpr" for k in constexprs}}
     sig = {n: types[n] for n in fn.arg_names if n in types}           # in the kernel's argument order
     with unpatched_language():

@@ -17,6 +17,7 @@ from spec_keys import record
 require_kernels()
 
 from exl3rt.format.reconstruct import decode, reconstruct  # noqa: E402
+from exl3rt.kernels import common as kc  # noqa: E402
 from exl3rt.kernels import linear as kl  # noqa: E402
 
 # small launch blocks: one or two programs per call in the interpreter
@@ -178,14 +179,14 @@ def _swapped_mma_sm90_ops(ka: int, nt: int, *, halves: bool, atomic: bool, **opt
     x') built for sm_90 in a fresh process (no GPU needed); ``options``: launch options such as ``maxnreg``."""
     from sass_check import build_sm90_triton
     from exl3rt.kernels import mma as _mm
-    cb, mult, add = kl._cb_args("mcg")
+    cb, mult, add = kc.cb_args("mcg")
     args = {"x_ptr": "*fp16", "w_ptr": "*i32", "z_ptr": "*fp32", "rows": "i32", "in_tiles": "i32", "tn_total": "i32",
             "k_per": "i32", "stride_x": "i32", "stride_zs": "i32", "one": "i32",
             "seg_b1": "i32", "seg_b2": "i32", "seg_x": "i32"}
     const = dict(KA=ka, HALF=0, CB=cb, MULT=mult, ADD=add, NT=nt, WARPS=1, NWL=_mm.words_per_lane(ka), ASM=True,
                  KSPLIT=False, MB=1, SWAP=True, PDL=False, UNROLL=_mm.default_unroll(ka), XFRAG=True, HALVES=halves,
                  ATOMIC=atomic)
-    sass = build_sm90_triton("exl3rt.kernels.mma", "_mma_kernel", args, const, num_warps=1, **options)
+    sass = build_sm90_triton("exl3rt.kernels.mma", "mma_kernel", args, const, num_warps=1, **options)
     if sass is None:
         pytest.skip("this Triton ships no nvdisasm")
     return [ln for ln in sass.splitlines() if "/*" in ln]
@@ -211,7 +212,7 @@ def test_register_cap_reaches_ptxas_without_spills():
     from spec_keys import record          # and the cap is a launch option of the mma kernel, only when set
     with pytest.MonkeyPatch.context() as mp:
         keys = set()
-        record(mp, [(_mm, "_mma_kernel")], keys)
+        record(mp, [(_mm, "mma_kernel")], keys)
         for c in (cfg, kl.MmaConfig(nt=2, num_warps=2, target_programs=16, swap=True)):
             kl.exl3_linear(x.to(DEV), tr, suh, svh, "mcg", path="mma", mma_cfg=c)
     assert sorted(any(item[0] == "maxnreg" for item in k[1:]) for k in keys) == [False, True]
@@ -296,7 +297,7 @@ def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch, in_p, out
     configuration and decode_mm), in bf16 and fp16 — nothing compiles lazily after it. Kernels are replaced by
     recorders of Triton's specialization key (nothing runs)."""
     from exl3rt.kernels import gemv, hadamard, mma, wgmma
-    targets = [(hadamard, "_had_kernel"), (mma, "_mma_kernel"), (gemv, "_decode_kernel"), (gemv, "_gemv_kernel")]
+    targets = [(hadamard, "_had_kernel"), (mma, "mma_kernel"), (gemv, "decode_kernel"), (gemv, "gemv_kernel")]
     wg = wgmma.available(torch.device(DEV))       # on an H200: 33-256 and 417-512 rows take the wgmma kernel
     if wg:
         targets.append((wgmma, "_wgmma_kernel"))
@@ -309,7 +310,7 @@ def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch, in_p, out
     record(monkeypatch, targets, warm)
     for dtype in (torch.bfloat16, torch.float16):
         assert kl.prewarm([(in_p, out_p, bits, codebook)], device=DEV, dtype=dtype) == len(kl.prewarm_rows(DEV))
-    assert {k[0] for k in real} == {"_had_kernel", "_mma_kernel", "_decode_kernel"} | ({"_wgmma_kernel"} if wg else set())
+    assert {k[0] for k in real} == {"_had_kernel", "mma_kernel", "decode_kernel"} | ({"_wgmma_kernel"} if wg else set())
     missing = real - warm
     assert not missing, f"{len(missing)} specializations met only by real calls, e.g. {sorted(missing)[0]}"
 

@@ -27,6 +27,7 @@ from exl3rt.kernels.moe import (GlueLaunch, MoEWeights, default_glue, exl3_moe, 
                                 grouped_gemv, pack_routes_fused, tiered_partials)
 from exl3rt.moe import MoELayerRuntime, MoERuntimeCache, MoESettings, Owner  # noqa: E402
 from exl3rt.moe.reference import DenseExpert, reference_launch_factory  # noqa: E402
+from exl3rt.kernels import common as kc  # noqa: E402
 from exl3rt.kernels.routing import pack_routes  # noqa: E402
 from exl3rt.moe.tiers import tiers_from_bitrates  # noqa: E402
 from exl3rt.moe.triton_launch import triton_launch_factory  # noqa: E402
@@ -146,8 +147,8 @@ def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch, top_k):
     from exl3rt.moe.prewarm import warm_layer
     from exl3rt.kernels import moe_wgmma as mw
     warm, real = set(), set()
-    names = [(km, "_moe_mma_kernel"), (mg, "_moe_pack_kernel"), (mg, "_moe_pre_kernel"), (mg, "_moe_mid_kernel"),
-             (mg, "_moe_post_kernel")]
+    names = [(km, "_moe_mma_kernel"), (mg, "moe_pack_kernel"), (mg, "moe_pre_kernel"), (mg, "moe_mid_kernel"),
+             (mg, "moe_post_kernel")]
     if mw.applies(torch.device(DEV), 64):                   # Hopper: prefill blocks of 64 on the wgmma launch
         names.append((mw, "_moe_wgmma_kernel"))
     bits = (3,) * 13 + (4,) * 7
@@ -309,8 +310,8 @@ def test_decode_plan_adds_its_splits_into_one_buffer(monkeypatch):
 def _force_pdl(monkeypatch):
     """Programmatic dependent launch as on an H200 (the kernels are recorders or built for sm_90: nothing runs)."""
     from exl3rt.kernels import moe as km
-    monkeypatch.setattr(km, "_use_pdl", lambda device: True)
-    monkeypatch.setattr(km, "_pdl_args", lambda device: {"PDL": True, "launch_pdl": True})
+    monkeypatch.setattr(km, "use_pdl", lambda device: True)
+    monkeypatch.setattr(km, "pdl_args", lambda device: {"PDL": True, "launch_pdl": True})
 
 
 def test_decode_plan_is_a_dependent_launch_chain_up_to_four_rows(monkeypatch):
@@ -325,8 +326,8 @@ def test_decode_plan_is_a_dependent_launch_chain_up_to_four_rows(monkeypatch):
     _force_pdl(monkeypatch)
     bits = (3, 4, 3)
     w = MoEWeights.from_experts(tiers_from_bitrates(list(bits)), _experts(bits, seed=13))
-    names = [(km, "_moe_mma_kernel"), (mg, "_moe_pack_kernel"), (mg, "_moe_pre_kernel"), (mg, "_moe_mid_kernel"),
-             (mg, "_moe_post_kernel")]
+    names = [(km, "_moe_mma_kernel"), (mg, "moe_pack_kernel"), (mg, "moe_pre_kernel"), (mg, "moe_mid_kernel"),
+             (mg, "moe_post_kernel")]
     for block_m, rows in ((8, range(1, 9)), (16, (1, 2))):
         for t in rows:
             keys = set()
@@ -354,7 +355,7 @@ def test_dependent_launch_builds_wait_where_the_chain_needs_it():
     pre-pass triggers its dependent (``PREEXIT``) only after its own wait (so the tiered launch's early reads
     find the packer done); the post-pass triggers first."""
     from exl3rt.kernels import linear as kl, mma as _mm
-    cb, mult, add = kl._cb_args("mcg")
+    cb, mult, add = kc.cb_args("mcg")
     args = {n: "i32" for n in ("numel", "rows", "k_tiles", "n_tiles", "k_per", "stride_x", "stride_zs", "one",
                                "n_blocks", "stride_xp", "stride_zp")}
     args.update({"x_ptr": "*fp16", "z_ptr": "*fp32", "blk_ptr": "*i32", "desc_ptr": "*i32", "npad_ptr": "*i32",
@@ -374,13 +375,13 @@ def test_dependent_launch_builds_wait_where_the_chain_needs_it():
         strong = [i for i, o in enumerate(before) if o.startswith("LDG.E.STRONG.GPU")]
         words = [i for i, o in enumerate(before) if o.startswith("LDG.E ")]
         assert len(strong) >= 2 and len(words) >= 8 and max(strong) < words[-8]
-    glue = {"_moe_pre_kernel": ({n: "*fp16" if n in ("x_ptr", "xs_ptr") else "*i32" if n.endswith("_ptr") else "i32"
+    glue = {"moe_pre_kernel": ({n: "*fp16" if n in ("x_ptr", "xs_ptr") else "*i32" if n.endswith("_ptr") else "i32"
                                  for n in ("x_ptr", "routes_ptr", "blk_ptr", "npad_ptr", "su_ptr", "sg_ptr", "xs_ptr",
                                            "pos_ptr", "slots", "numel", "k", "H", "stride_x", "su_se", "sg_se",
                                            "stride_xsp", "two", "zz_n", "zz_pstride")}
                                 | {"su_ptr": "*fp32", "sg_ptr": "*fp32", "zz_ptr": "*fp32"},
                                 dict(BR=4, BLOCK_M=8, FRAG=2, ZNP=0, PDL=True), ("ACQBULK", "PREEXIT")),
-            "_moe_post_kernel": ({n: "*fp32" if n in ("z_ptr", "w_ptr", "sv_ptr") else "*bf16" if n == "y_ptr" else
+            "moe_post_kernel": ({n: "*fp32" if n in ("z_ptr", "w_ptr", "sv_ptr") else "*bf16" if n == "y_ptr" else
                                   "*i32" if n.endswith("_ptr") else "i32"
                                   for n in ("z_ptr", "routes_ptr", "pos_ptr", "blk_ptr", "w_ptr", "sv_ptr", "y_ptr",
                                             "numel", "k", "H", "splits", "stride_zs", "sv_se", "cap")},

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 pytest.importorskip("numba")
 
-from exl3rt.convert.run import module_seed  # noqa: E402
+from exl3rt.cache.key import module_seed  # noqa: E402
 from exl3rt.moe import MoELayerRuntime, prewarm  # noqa: E402
 from exl3rt.runtime import Exl3Config, Exl3ConfigError, Exl3Experts, PolicyError, quantize_model  # noqa: E402
 from exl3rt.runtime.moe_module import Exl3MoE, install_moe_runtimes, moe_paths  # noqa: E402

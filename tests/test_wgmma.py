@@ -237,7 +237,7 @@ def test_prewarm_then_graph_capture():
 def _build_sm90(bits, codebook, cfg, atomic=False):
     """The SASS of the kernel ``wgmma_rotated`` launches for K = ``bits``, ``codebook``, ``cfg``, built for sm_90."""
     args = {"w_ptr": "*i32", "z_ptr": "*fp32", "rows": "i32", "k_tiles": "i32", "n_tiles": "i32", "k_per": "i32",
-            "stride_zs": "i32", "one": "i32"}
+            "stride_zs": "i32", "one": "i32", "seg_b1": "i32", "seg_b2": "i32", "seg_rows": "i32"}
     const = {**wg.kernel_constants(bits, codebook, cfg, cfg.pdl, atomic), "PDL": cfg.pdl,
              "ATOMIC": atomic}                                                   # a compile names every argument
     return build_sm90(wg._wgmma_kernel, cfg.block_rows, args, const, launch_pdl=cfg.pdl)

@@ -49,9 +49,6 @@ def _path(raw: str) -> str:
     return os.path.expanduser(raw)
 
 
-GOLDEN_DIR: EnvVar[str] = EnvVar("EXL3RT_GOLDEN_DIR", "", _path,
-                                 "reference data for the tests (default: ../shared/golden beside the repo)")
-
 KERNEL_CACHE_DIR: EnvVar[str] = EnvVar(
     "EXL3RT_KERNEL_CACHE_DIR", "", _path,
     "compiled CPU kernels (default: $XDG_CACHE_HOME/exl3rt/kernels, i.e. ~/.cache/exl3rt/kernels)")
@@ -159,10 +156,9 @@ def _bits(raw: str) -> float | int:
 
 
 def _codebook(raw: str) -> str:
-    value = raw.lower()
-    if value not in ("mcg", "mul1", "3inst"):
-        raise ValueError("expected mcg, mul1 or 3inst")
-    return value
+    from .format.codebooks import check_codebook  # the one rule for codebook names (FormatError is a ValueError)
+
+    return check_codebook(raw.lower())
 
 
 VLLM_BITS: EnvVar[Optional[float | int]] = EnvVar(
@@ -173,7 +169,7 @@ VLLM_CODEBOOK: EnvVar[Optional[str]] = EnvVar(
     "EXL3RT_VLLM_CODEBOOK", None, _codebook,
     "vLLM online EXL3: codebook when quantization_config has no 'codebook' (unset = mcg)")
 
-ALL: tuple[EnvVar, ...] = (LOG_LEVEL, GOLDEN_DIR, KERNEL_CACHE_DIR, MODELS_DIR, CACHE_MODE, CACHE_DIR,
+ALL: tuple[EnvVar, ...] = (LOG_LEVEL, KERNEL_CACHE_DIR, MODELS_DIR, CACHE_MODE, CACHE_DIR,
                            KERNEL_DETERMINISTIC, KERNEL_NO_ASM, KERNEL_NO_PDL, KERNEL_NO_WGMMA, KERNEL_ROUNDED_DECODE,
                            MOE_MAX_DECODE_M, MOE_PREFILL_BLOCK_M, MOE_PREFILL_CAPACITY, VLLM_BITS, VLLM_CODEBOOK)
 

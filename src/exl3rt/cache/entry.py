@@ -39,7 +39,7 @@ from ..format.encoded import EncodedLinear
 from ..format.errors import FormatError
 from ..util.safetensors_io import write_safetensors
 from .errors import InvalidEntryError
-from .key import MAX_KEY_JSON, SCHEMA, CacheKey, _hasher, tensor_bytes
+from .key import MAX_KEY_JSON, SCHEMA, CacheKey, new_hasher, tensor_bytes
 from ..util.safejson import loads_bounded
 
 FORMAT = "exl3rt-encoding-cache"
@@ -57,7 +57,7 @@ _VERSION = re.compile(r"[0-9A-Za-z.+!_-]{1,64}")
 def payload_digest(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> str:
     """BLAKE3 over (name, dtype, shape, bytes) of the three stored tensors, in a fixed order."""
     tensors = (trellis, suh, svh)
-    h = _hasher(sum(t.numel() * t.element_size() for t in tensors))
+    h = new_hasher(sum(t.numel() * t.element_size() for t in tensors))
     for name, t in zip(TENSOR_NAMES, tensors):
         h.update(json.dumps([name, str(t.dtype), list(t.shape)], separators=(",", ":")).encode())
         h.update(b"\0")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import zlib
 from typing import Any, Mapping, Optional
 
 import torch
@@ -24,6 +25,13 @@ from ..format.bits import Bits, normalize_bits
 from ..format.codebooks import check_codebook
 from ..format.encoded import padded_width
 from ..format.errors import FormatError
+
+
+def module_seed(name: str, seed: int) -> int:
+    """The encoding seed of module ``name`` under base ``seed``: from the name alone, never from the order in which
+    modules are processed, so an online load, an offline conversion and a cache lookup agree (it is part of the
+    cache key)."""
+    return (zlib.crc32(name.encode()) + int(seed)) & 0x7FFFFFFF
 from .errors import CacheError
 from ..util.safejson import loads_bounded
 
@@ -44,7 +52,8 @@ HASH_NAME = "blake3"
 _MT_THRESHOLD = 1 << 20  # hash tensors of 1 MiB and more on all cores (same digest either way)
 
 
-def _hasher(nbytes: int = 0) -> Any:
+def new_hasher(nbytes: int = 0) -> Any:
+    """A BLAKE3 hasher for ``nbytes`` of data (multithreaded for large inputs)."""
     if _blake3 is None:
         raise CacheError("the encoding cache needs the 'blake3' package (pip install blake3), "
                          "or set EXL3RT_CACHE_MODE=off")
@@ -77,7 +86,7 @@ def tensor_digest(t: torch.Tensor) -> str:
     matter: the bytes are those of the contiguous CPU copy.
     """
     data = tensor_bytes(t)
-    h = _hasher(data.nbytes)
+    h = new_hasher(data.nbytes)
     h.update(json.dumps([str(t.dtype), list(t.shape)], separators=(",", ":")).encode())
     h.update(b"\0")
     h.update(data)

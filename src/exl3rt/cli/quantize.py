@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..format.codebooks import CODEBOOKS
 from ._args import bits_type, check_device, check_half_bits, check_output_dir, int_at_least, readable_file
 
 HELP = "convert a Hugging Face safetensors checkpoint to an EXL3 checkpoint"
@@ -36,7 +37,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("out", help="output directory for the EXL3 checkpoint")
     p.add_argument("--bits", type=bits_type(unquantized=False), default=4,
                    help="bits per weight K: 1..8, or 1.5/2.5/3.5 with mul1 (default 4)")
-    p.add_argument("--codebook", default="mcg", choices=("mcg", "mul1", "3inst"), help="codebook (default mcg)")
+    p.add_argument("--codebook", default="mcg", choices=CODEBOOKS, help="codebook (default mcg)")
     p.add_argument("--head-bits", type=bits_type(unquantized=True), default=6,
                    help="lm_head bits (as --bits); 16 keeps it unquantized (default 6)")
     p.add_argument("--bits-for", action="append", default=[], metavar="PATTERN=K",

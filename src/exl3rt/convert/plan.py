@@ -22,17 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import re
 from typing import Optional
 
 from ..encode.errors import EncodeError
 from ..format.bits import Bits, is_half, normalize_bits
-from ..util.names import module_path_problem
+from ..util.names import EMBED_NAME, HEAD, ROUTER_NAME, module_path_problem
 from ..util.tensorfiles import TensorFiles
 
-HEAD = "lm_head"
-_EMBED = re.compile(r"(^|\.)(embed[a-z_]*|wte|wpe)(\.|$)")
-_ROUTER = re.compile(r"(^|\.)(gate|router)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +105,7 @@ def plan_conversion(src: TensorFiles, bits: Bits, codebook: str = "mcg", *, head
         if not name.endswith(".weight") or len(info.shape) != 2:
             continue
         module = name[: -len(".weight")]
-        if _EMBED.search(module) or _ROUTER.search(module) or any(fnmatch.fnmatchcase(module, p) for p in keep):
+        if EMBED_NAME.search(module) or ROUTER_NAME.search(module) or any(fnmatch.fnmatchcase(module, p) for p in keep):
             continue
         if module == HEAD and not head_q:
             continue

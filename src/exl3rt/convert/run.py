@@ -24,7 +24,6 @@ import json
 import logging
 import shutil
 import time
-import zlib
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -33,6 +32,7 @@ import torch
 from safetensors import safe_open
 
 from .. import __version__
+from ..cache.key import module_seed
 from ..encode.errors import EncodeError
 from ..encode.quantize import ENCODER_VERSION, quantize_weight
 from ..format.checkpoint import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME
@@ -62,11 +62,6 @@ def side_files(src_dir: Path) -> list[Path]:
     return sorted(p for p in Path(src_dir).iterdir()
                   if p.is_file() and not p.name.startswith(".") and p.name not in (CONFIG_NAME, QCONFIG_NAME)
                   and not p.name.endswith((".index.json", *_WEIGHT_SUFFIXES)))
-
-
-def module_seed(name: str, seed: int) -> int:
-    """A per-module seed that does not depend on processing order."""
-    return (zlib.crc32(name.encode()) + int(seed)) & 0x7FFFFFFF
 
 
 def _job_record(src: TensorFiles, plan: ConversionPlan, settings: dict[str, Any]) -> dict[str, Any]:

@@ -65,7 +65,7 @@ if HAVE_TRITON:
         return st
 
     @triton.jit
-    def _decode(st, CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr, ASM: tl.constexpr):
+    def decode_values(st, CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr, ASM: tl.constexpr):
         """Codebook value (fp32 holding the exact fp16 value) of uint32 states ``st`` (< 2^16)."""
         if ADD == 0:
             x = st * MULT
@@ -102,7 +102,7 @@ if HAVE_TRITON:
         return v
 
     @triton.jit(do_not_specialize=["rows"])
-    def _gemv_kernel(x_ptr, w_ptr, z_ptr, rows, in_tiles, tn_total, k_per, stride_x, stride_zs,
+    def gemv_kernel(x_ptr, w_ptr, z_ptr, rows, in_tiles, tn_total, k_per, stride_x, stride_zs,
                      KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
                      ADD: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, ASM: tl.constexpr):
         """z[split, m, n] = Σ_{k in split} x'[m, k]·Q[k, n] for NT n-tiles, BM rows, one K-split."""
@@ -137,7 +137,7 @@ if HAVE_TRITON:
                 for u in tl.static_range(GP):
                     if (((u + 1) * KA + HALF * ((u + 1) // 2)) - 1) // 32 == i:
                         st = _extract(prev, cur, (u + 1) * KA + HALF * ((u + 1) // 2) - 32 * i)
-                        v = _decode(st, CB, MULT, ADD, ASM)
+                        v = decode_values(st, CB, MULT, ADD, ASM)
                         p = xs[2 * (((u % 32) >> 3) & 3) + (u & 1) + 8 * ((u >> 1) & 1)][:, None, None] \
                             * v[None, :, :]
                         # accumulator of column class (u >> 5) + 2·((u >> 2) & 1)
@@ -181,7 +181,7 @@ if HAVE_TRITON:
             for u in tl.static_range(GP):
                 if (((u + 1) * KA + HALF * ((u + 1) // 2)) - 1) // 32 == i:
                     st = _extract(prev, cur, (u + 1) * KA + HALF * ((u + 1) // 2) - 32 * i)
-                    vs = vs + (_decode(st, CB, MULT, ADD, ASM).to(tl.float16),)
+                    vs = vs + (decode_values(st, CB, MULT, ADD, ASM).to(tl.float16),)
             prev = cur
         t1 = ()
         for k in tl.static_range(GP // 2):
@@ -204,7 +204,7 @@ if HAVE_TRITON:
         return tl.reshape(t, [16, NT * 16])
 
     @triton.jit
-    def _decode_kernel(w_ptr, q_ptr, in_tiles, tn_total, k_per, KA: tl.constexpr, HALF: tl.constexpr,
+    def decode_kernel(w_ptr, q_ptr, in_tiles, tn_total, k_per, KA: tl.constexpr, HALF: tl.constexpr,
                        CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr, NT: tl.constexpr,
                        ASM: tl.constexpr):
         """Q[16a + r, 16b + c] (fp16, row-major [in_p, out_p]) for NT n-tiles and k_per k-tiles:
@@ -227,3 +227,8 @@ if HAVE_TRITON:
         for a in range(a0, a1):
             t = _decode_tile(w_ptr + a * tn_total * NW, base, poff, KA, HALF, CB, MULT, ADD, NT, ASM)
             tl.store(q_ptr + (a * 16 + rr)[:, None] * out_p + nn[None, :], t)  # int32: in_p·out_p < 2^31
+
+
+def interpreted() -> bool:
+    """True when these kernels were defined for Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return HAVE_TRITON and type(gemv_kernel).__name__ == "InterpretedFunction"

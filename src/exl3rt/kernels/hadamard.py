@@ -1,6 +1,6 @@
 """The 128-point Hadamard rotations of an EXL3 linear, as Triton kernels (fp32, in registers).
 
-* ``_fwht128``: unnormalized Sylvester Walsh–Hadamard transform of each row of a ``[BR, 128]``
+* ``fwht128``: unnormalized Sylvester Walsh–Hadamard transform of each row of a ``[BR, 128]``
   tensor, 7 butterfly stages (reshape/split/join), usable inside other kernels (the tensor-core
   kernel's epilogue applies it to its accumulators);
 * ``_had_kernel`` / :func:`had`: the pre-pass ``x' = (x ⊙ suh)·H`` and the post-pass
@@ -28,7 +28,7 @@ if HAVE_TRITON:
     HAD_SCALE_C = tl.constexpr(HAD_SCALE)   # 1/sqrt(128), for the passes that scale by it
 
     @triton.jit
-    def _fwht128(x, BR: tl.constexpr):
+    def fwht128(x, BR: tl.constexpr):
         """Unnormalized Sylvester Walsh-Hadamard transform of each row of x [BR, 128] (fp32):
         7 butterfly stages, stage s pairs (i, i + 2^s) as (a + b, a - b)."""
         for s in tl.static_range(7):
@@ -40,7 +40,7 @@ if HAVE_TRITON:
         return x
 
     @triton.jit
-    def _xfrag_offsets(m, k, bstride, SWAP: tl.constexpr):
+    def frag_offsets(m, k, bstride, SWAP: tl.constexpr):
         """fp16 offset of x'[m, k] in the mma GEMV's fragment order (:func:`xfrag_offsets`); ``bstride``:
         int32 words per row block (16 rows, 8 with ``SWAP``)."""
         kk = k % 16
@@ -97,11 +97,11 @@ if HAVE_TRITON:
         scale = tl.load(s_ptr + c).to(tl.float32) * HAD_SCALE_C
         if PRE:
             x = x * scale[None, :]
-        y = _fwht128(x, BR)
+        y = fwht128(x, BR)
         if not PRE:
             y = y * scale[None, :]
         if FRAG:
-            fo = _xfrag_offsets(r[:, None], c[None, :], n * (4 if FRAG == 2 else 8), FRAG == 2)
+            fo = frag_offsets(r[:, None], c[None, :], n * (4 if FRAG == 2 else 8), FRAG == 2)
             tl.store(y_ptr + fo, y.to(y_ptr.dtype.element_ty), mask=(r < rows_out)[:, None])
         else:
             yoffs = r[:, None] * (n if ldy == 0 else ldy) + c[None, :]
@@ -134,19 +134,14 @@ def had(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, pre: bool, s
             raise ValueError("had: out needs a unit column stride")
         ldy = out.stride(0)
     rows = x.shape[0] if frag or pre else rows_out      # (a pre-pass leaves out's rows past x's unwritten)
-    # One-warp programs (H200, 2026-11-30, one graph of 32 calls per configuration, best of 20-36
-    # launch configurations): split-K post-pass one row per program, up to 32 splits per load
-    # (4096x14336 rows 8, 19 splits: 4.4 vs 10.7 µs with 4 rows × 4 warps, rows 16 4.4 vs 9.3, rows 4
-    # 2.5 vs 6.1); one-split post-pass 4 rows per program (2048 × 14336: 45.3 vs 60.4 µs); pre-pass 8
-    # rows per program (2048 × 14336: 31.0 vs 38.9, 2048 × 4096: 9.0 vs 12.6)
+    # one-warp programs, the best of 20-36 launch configurations per pass (docs/kernels.md, "Tuned constants")
     if launch is not None:     # (rows per program, warps, splits per load): tuning override
         br, warps, sb = launch
     elif pre:
         br, warps, sb = min(8, next_pow2(rows)), 1, 1
     elif splits > 1 or rows <= 8:
-        # (also the one-split sums of the atomic 1-8-row GEMV, H200 2026-12-01, 32 calls in a graph, K4 rows 8:
-        # 4096x14336 22.6 µs vs 31.0 with 4 rows per program, 14336x4096 24.9 vs 22.2 — at 4 rows per program
-        # the early-launched GEMV of the next call crowds one shape's post-pass out; one row is never the worst)
+        # (also the one-split sums of the atomic 1-8-row GEMV: more rows per program let the next call's GEMV
+        # crowd the post-pass out)
         br, warps, sb = 1, 1, min(32, next_pow2(splits))
     else:
         br, warps, sb = min(4, next_pow2(rows)), 1, 1
@@ -161,7 +156,7 @@ def had(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, pre: bool, s
 
 def xfrag_offsets(rows_pad: int, n: int, swap: bool) -> torch.Tensor:
     """``[rows_pad, n]`` int64: the fp16 offset of x'[m, k] in the mma GEMV's fragment order (the Python
-    statement of ``_xfrag_offsets``). Per row block (16 rows; 8 with ``swap``) and k-tile (16 columns),
+    statement of ``frag_offsets``). Per row block (16 rows; 8 with ``swap``) and k-tile (16 columns),
     lane L's registers are contiguous at 16·L bytes (8·L with ``swap``), in the ``mma.m16n8k16`` A
     fragment order (``swap``: the B fragment of x'ᵀ), so that a lane loads them as one vector."""
     m = torch.arange(rows_pad)[:, None]

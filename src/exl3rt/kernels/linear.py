@@ -5,10 +5,10 @@
 
 ``exl3_linear(x, trellis, suh, svh, codebook)`` picks a path by row count (:func:`choose_path`):
 
-* ``gemv`` (only on request, ``path="gemv"``, ≤ 16 rows): pre-pass ``x' = (x ⊙ suh)·Hk`` in fp32, ``gemv._gemv_kernel`` (FFMA,
+* ``gemv`` (only on request, ``path="gemv"``, ≤ 16 rows): pre-pass ``x' = (x ⊙ suh)·Hk`` in fp32, ``gemv.gemv_kernel`` (FFMA,
   decode on the fly) writes fp32 split-K partials, post-pass ``y = (Σ_s z[s])·Hn ⊙ svh``;
 * ``mma`` (1–64 rows; where the wgmma kernel runs 1–8, and 9–16 at K 1, 2 and 4): the same passes around
-  ``mma._mma_kernel`` — each lane decodes its own ``mma.m16n8k16`` B fragment (the EXL3 tile order is that
+  ``mma.mma_kernel`` — each lane decodes its own ``mma.m16n8k16`` B fragment (the EXL3 tile order is that
   fragment order), x' in fp16 written by the pre-pass in fragment order (one vector load per lane and k-tile),
   fp32 accumulators; the decode costs the same for 1 or 16 rows, and at 17–32 (33–64) rows one decode feeds two
   (four) 16-row blocks (``MmaConfig.row_blocks``); up to 8 rows the decoded tile is the mma's A operand and x'ᵀ
@@ -18,7 +18,7 @@
   :func:`exl3rt.kernels.wgmma.available`): the same passes (x' row-major) around ``wgmma._wgmma_kernel`` —
   each warp decodes one n-tile's k-tiles straight into the registers of a warpgroup MMA's A operand (Qᵀ),
   x'ᵀ the B operand through TMA into shared memory;
-* ``decode_mm`` (more rows, 257–416, or 65+ rows without wgmma): ``gemv._decode_kernel`` writes Q (fp16, bit-exact)
+* ``decode_mm`` (more rows, 257–416, or 65+ rows without wgmma): ``gemv.decode_kernel`` writes Q (fp16, bit-exact)
   once and cuBLAS computes ``x'·Q`` (fp16 operands, fp32 output), then the post-pass.
 
 The Hadamard passes (``hadamard.py``) are 7-stage fp32 butterflies in registers, one launch each.
@@ -44,6 +44,7 @@ from ..util.ints import next_pow2
 from . import mma as _mm
 from . import gemv as _g
 from . import wgmma as _wg
+from .common import cb_args, interpreting, kernel_bits, pdl_args, use_asm, use_pdl
 from .hadamard import had as _had
 from .launch import (Recording, Replay, current_stream, direct_launch_ok, launch, new_plans_epoch, run_plan,
                      scratch_layout, slot_bytes)
@@ -53,15 +54,7 @@ from ._triton import HAVE_GDC, triton
 Alloc = Callable[[tuple, torch.dtype], torch.Tensor]   # (shape, dtype) -> a scratch tensor on the call's device
 
 GEMV_MAX_ROWS = 16     # the GEMV kernel's largest row block
-GEMV_DISPATCH_ROWS = 0  # exl3_linear uses the FFMA GEMV up to this many rows: none since the mma GEMV with
-                        # the lane decode and swapped operands beats it at 1 row for every K (H200,
-                        # 2026-11-30, one graph of 32 calls: 4096x14336 K4 25.8 vs 30.2 µs, K6 27.8 vs 31.0;
-                        # 14336x4096 K6 29.2 vs 34.6); path="gemv" still runs it (fp32 x', 2e-7 rel. error)
-
-
-def interpreting() -> bool:
-    """True when the kernels were defined for Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return _g.HAVE_TRITON and type(_g._gemv_kernel).__name__ == "InterpretedFunction"
+GEMV_DISPATCH_ROWS = 0  # the FFMA GEMV runs on request only (path="gemv"): the mma GEMV beats it at every K
 
 
 @dataclass(frozen=True)
@@ -76,10 +69,8 @@ class GemvConfig:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters of the Q decode of ``decode_mm`` (``gemv._decode_kernel``): ``nt`` n-tiles per
-    program, warps, k-tiles per program. 8 / 2 / 1 (H200, 2026-12-02, kernel alone, 36 configurations, 8
-    rotated weight copies): 4096×14336 K4 40.3 µs vs 44.5 at 16 / 4 / 4, 8192×8192 46.3 vs 50.6, K6 43.3 vs
-    49.3 (best at K6; within 1 % of the best, 16 / 4 / 1, at K2 and K4)."""
+    """Launch parameters of the Q decode of ``decode_mm`` (``gemv.decode_kernel``): ``nt`` n-tiles per
+    program, warps, k-tiles per program (defaults: the best of 36 tried; docs/kernels.md, "Tuned constants")."""
     nt: int = 8
     num_warps: int = 2
     k_per: int = 1
@@ -87,14 +78,13 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class MmaConfig:
-    """Launch parameters of the warp-level mma GEMV (``mma._mma_kernel``): ``nt`` n-tiles per warp,
+    """Launch parameters of the warp-level mma GEMV (``mma.mma_kernel``): ``nt`` n-tiles per warp,
     ``num_warps`` warps per program, and how many programs to aim for when splitting K. ``ksplit``:
     the program's warps share its ``nt`` tiles and split its k-tiles (summed in the kernel), instead
     of taking ``nt`` tiles each. ``maxnreg``: a register cap for ptxas (with 2 tiles per warp the 1-8-row kernel
     fits 40 registers without spilling, Triton 3.6 and 3.9 for sm_90, against ~62 uncapped: up to 51 resident
-    warps per multiprocessor instead of ~30, for programs of 2+ warps — one-warp programs stop at 32). On the H200
-    every capped configuration tried was slower than the defaults (2026-12-02: 1.03–1.20× at caps 40/48, 0.99–1.06×
-    at 56 with 4 tiles per warp; three shapes, K 2–6, rows 1 and 8), so no default sets it."""
+    warps per multiprocessor instead of ~30, for programs of 2+ warps — one-warp programs stop at 32); no default
+    sets it: every cap tried was slower on the H200."""
     nt: int = 8
     num_warps: int = 1
     target_programs: int = 2112
@@ -106,26 +96,17 @@ class MmaConfig:
     maxnreg: int = 0     # register cap per thread given to ptxas (0: its own choice): more resident warps
 
 
-# up to 8 rows: the decoded tile as the mma's A operand (one mma per tile, 78 registers), 4 tiles per
-# warp, ~4224 programs: best or within 5 % of 8 configurations at rows 1/4/8, K 2/3/4/6, three shapes
-# (H200, one graph of 32 calls, 2026-11-30)
+# The launch configurations per row bucket: the best (or within a few % of the best) of those tried on the H200
+# (docs/kernels.md, "Tuned constants").
+# up to 8 rows: the decoded tile as the mma's A operand (one mma per tile), 4 tiles per warp, ~4224 programs
 DEFAULT_MMA = MmaConfig(nt=4, num_warps=1, target_programs=4224, swap=True)
-# 9-16 rows: 2 tiles per one-warp program, ~4224 programs (with x' in fragment order; H200, one graph of 32
-# calls, 2026-11-30, rows 16: 4096x14336 K4 32.5 µs vs 38.7 for 4 k-splitting warps × 4 tiles, K2 32.3 vs
-# 37.4, K6 40.4 vs 40.3; 14336x4096 K4 30.1 vs 31.9, K6 36.8 vs 37.2; best or within 8 % of 7 configurations)
+# 9-16 rows: 2 tiles per one-warp program, ~4224 programs
 DEFAULT_MMA_MANY_ROWS = MmaConfig(nt=2, num_warps=1, target_programs=4224)
-# 9-16 rows above K = 4 (one k-tile per loop iteration): 4 tiles per warp, ~3584 programs (H200, 2026-12-01,
-# one graph of 32 calls, K6 rows 16: 4096x14336 32.9 µs vs 36.1, 14336x4096 32.9 vs 33.3, 8192x8192 36.2 vs
-# 36.0, rows 12 alike; best or within 2 % of 8 configurations; K3 keeps DEFAULT_MMA_MANY_ROWS, whose
-# 30.6 / 29.2 / 32.7 µs beat 4 tiles per warp by 6-13 %)
+# 9-16 rows above K = 4 (one k-tile per loop iteration): 4 tiles per warp, ~3584 programs
 DEFAULT_MMA_MANY_ROWS_WIDE = MmaConfig(nt=4, num_warps=1, target_programs=3584)
-# 17-32 rows: one decode feeds two 16-row blocks (H200, 2026-11-30, one graph of 32 calls, 4096x14336 K4:
-# rows 24 37.3 µs, rows 32 42.0, vs decode + cuBLAS 83.1 / 83.4; best or within 7 % of 6 configurations
-# in two shapes, K 2/4/6, except K6 4096x14336 rows 32: 50.1 vs 47.0 for two tiles per warp)
+# 17-32 rows: one decode feeds two 16-row blocks
 DEFAULT_MMA_32_ROWS = MmaConfig(nt=4, num_warps=1, target_programs=2112, row_blocks=2)
-# 33-64 rows: one decode feeds four 16-row blocks, 2 tiles per warp (same run: rows 48 / 64, 4096x14336 K4
-# 53.5 / 61.3 µs vs decode + cuBLAS 84.1 / 84.8, K6 67.1 / 75.2 vs 88.7 / 89.6; 14336x4096 K4 49.3 / 56.3
-# vs 83.8 / 85.0); at 128 rows decode + cuBLAS wins (88.5 vs 93.6-124.8)
+# 33-64 rows: one decode feeds four 16-row blocks, 2 tiles per warp
 DEFAULT_MMA_64_ROWS = MmaConfig(nt=2, num_warps=1, target_programs=4224, row_blocks=4)
 
 
@@ -154,58 +135,21 @@ def default_gemv_config(rows: int) -> GemvConfig:
 DEFAULT_DECODE = DecodeConfig()
 
 
-def _kernel_bits(bits: Bits) -> tuple[int, int]:
-    """(KA, HALF) of a bitrate: K = KA + HALF/2."""
-    return (int(bits), 1) if is_half(bits) else (int(bits), 0)
-
-
-def _cb_args(codebook: str) -> tuple[int, int, int]:
-    cb = _g.CODEBOOK_IDS[check_codebook(codebook)]
-    mult, add = _g.CB_AFFINE[cb]
-    return cb, mult, add
-
-
-def _use_asm(device: torch.device) -> bool:
-    return device.type == "cuda" and not interpreting() and not env.KERNEL_NO_ASM.get()
-
-
 def use_halves(device: torch.device, cb: int) -> bool:
     """The mma kernels may multiply both halves of each MCG/3INST codebook sum, unrounded
     (``lane_decode_ptx(..., halves=True)``): inline PTX, not MUL1, ``EXL3RT_KERNEL_ROUNDED_DECODE`` unset. The
     kernel takes them where they pay (``mma._halves_for``: swapped operands — 1-8 rows, the MoE decode plan —
     and K other than 4 and 8)."""
-    return cb != 2 and _use_asm(device) and not env.KERNEL_ROUNDED_DECODE.get()
+    return cb != 2 and use_asm(device) and not env.KERNEL_ROUNDED_DECODE.get()
 
 
 def use_atomic(cfg: MmaConfig) -> bool:
     """The mma GEMV adds its K splits into one fp32 buffer (``red.add``, zeroed by the pre-pass; the order of
     the adds is not fixed) instead of writing a partial sum per split for the post-pass to add: with swapped
     operands (1-8 rows, where the partials are many splits of few rows: 19-64 splits × 8 rows) unless
-    ``EXL3RT_KERNEL_DETERMINISTIC`` is set. H200, 2026-12-01, whole calls, 32 in one graph, three shapes, K 2-6:
-    rows 8 7-15 % faster (4096×14336 K4 22.6 vs 26.5 µs), rows 4 1-4 %, rows 1 0-5 % (BENCHMARKS.md); at 16 rows
-    (no swap: two scattered words per add) 10-15 % slower in a first trial, so not there.
-    """
+    ``EXL3RT_KERNEL_DETERMINISTIC`` is set: faster at 1-8 rows, slower at 16 (docs/kernels.md, "Tuned
+    constants")."""
     return cfg.swap and not cfg.ksplit and not env.KERNEL_DETERMINISTIC.get()
-
-
-def _use_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch for the three launches of a call (sm_90+, Triton with grid
-    dependency control and the ``launch_pdl`` option): each kernel lets the next one launch at its
-    start and waits for the previous one's writes only where it reads them (the mma kernel issues its
-    first weight loads before waiting for x')."""
-    if device.type != "cuda" or interpreting() or env.KERNEL_NO_PDL.get() or not HAVE_GDC:
-        return False
-    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _pdl_supported(index: int) -> bool:
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:  # pragma: no cover
-        return False
-    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}) and \
-        torch.cuda.get_device_capability(index)[0] >= 9
 
 
 MAX_SEGMENTS = 3     # a fused layer's column segments (q/k/v); the kernels take two boundaries
@@ -255,7 +199,7 @@ def _geometry(trellis: torch.Tensor, codebook: str, nt_max: int, bounds: tuple =
     nt = min(nt_max, tn)
     while tn % nt or any((b // 16) % nt for b in bounds):
         nt //= 2
-    return in_tiles, tn, nt, _kernel_bits(bits_from_trellis(trellis)), _cb_args(codebook)
+    return in_tiles, tn, nt, kernel_bits(bits_from_trellis(trellis)), cb_args(codebook)
 
 
 def gemv_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str,
@@ -269,9 +213,9 @@ def gemv_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str,
     splits, k_per = gemv_splits(in_tiles, n_blocks, cfg.target_programs)
     z = torch.empty((splits, rows, tn * 16), dtype=torch.float32, device=xh.device)
     grid = (n_blocks, splits, triton.cdiv(rows, bm))
-    launch(_g._gemv_kernel, grid, xh, trellis.view(torch.int32), z, rows, in_tiles, tn, k_per, xh.stride(0), z.stride(0),
+    launch(_g.gemv_kernel, grid, xh, trellis.view(torch.int32), z, rows, in_tiles, tn, k_per, xh.stride(0), z.stride(0),
                           KA=ka, HALF=half, CB=cb, MULT=mult, ADD=add, BM=bm, NT=nt,
-                          ASM=_use_asm(xh.device), num_warps=cfg.num_warps,
+                          ASM=use_asm(xh.device), num_warps=cfg.num_warps,
                           num_stages=cfg.num_stages)
     return z
 
@@ -284,8 +228,8 @@ def decode_fp16(trellis: torch.Tensor, codebook: str, cfg: DecodeConfig = DEFAUL
     if out is None:
         out = torch.empty((in_tiles * 16, tn * 16), dtype=torch.float16, device=trellis.device)
     grid = (tn // nt, triton.cdiv(in_tiles, k_per))
-    launch(_g._decode_kernel, grid, trellis.view(torch.int32), out, in_tiles, tn, k_per, KA=ka, HALF=half, CB=cb, MULT=mult,
-                            ADD=add, NT=nt, ASM=_use_asm(trellis.device), num_warps=cfg.num_warps)
+    launch(_g.decode_kernel, grid, trellis.view(torch.int32), out, in_tiles, tn, k_per, KA=ka, HALF=half, CB=cb, MULT=mult,
+                            ADD=add, NT=nt, ASM=use_asm(trellis.device), num_warps=cfg.num_warps)
     return out
 
 
@@ -339,13 +283,13 @@ def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Opt
     z = split_buffer("mma_rotated", acc, atomic, splits, rows, tn * 16, xh.device, alloc)
     grid = (n_blocks, splits, m_blocks)
     stride_x = in_p * (4 if cfg.swap else 8) if xfrag else xh.stride(0)     # int32 per row block / fp16 per row
-    launch(_mm._mma_kernel, grid, xh, trellis.view(torch.int32), z, rows, in_tiles, tn, k_per, stride_x,
+    launch(_mm.mma_kernel, grid, xh, trellis.view(torch.int32), z, rows, in_tiles, tn, k_per, stride_x,
                           0 if atomic else z.stride(0), 1, ATOMIC=atomic,
                           KA=ka, HALF=half, CB=cb, MULT=mult, ADD=add, NT=nt_warp, WARPS=warps,
-                          NWL=_mm.words_per_lane(bits), ASM=_use_asm(xh.device),
+                          NWL=_mm.words_per_lane(bits), ASM=use_asm(xh.device),
                           KSPLIT=cfg.ksplit, MB=cfg.row_blocks, SWAP=cfg.swap, UNROLL=unroll, XFRAG=xfrag,
                           HALVES=use_halves(xh.device, cb), num_warps=warps,
-                          num_stages=cfg.num_stages, **_pdl_args(xh.device),
+                          num_stages=cfg.num_stages, **pdl_args(xh.device),
                           **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
                           **(dict(zip(("seg_b1", "seg_b2"), seg_tiles(bounds, tn)), seg_x=seg_x) if bounds else {}))
     return z
@@ -368,28 +312,14 @@ def split_buffer(name: str, acc: Optional[torch.Tensor], atomic: bool, splits: i
     return torch.empty((splits, rows, out_p), dtype=torch.float32, device=device)
 
 
-def _pdl_args(device: torch.device) -> dict:
-    return {"PDL": True, "launch_pdl": True} if _use_pdl(device) else {}
-
-
 PATHS = ("auto", "gemv", "mma", "wgmma", "decode_mm")
 MMA_MAX_ROWS = 64  # the mma GEMV decodes once per 8 / 16 / 32 / 64 rows; above, decode + cuBLAS wins
-# with the wgmma kernel (Hopper): from WGMMA_MIN_ROWS (the mma GEMV below) to WGMMA_MAX_ROWS (decode + cuBLAS
-# above), except WGMMA_GAP. H200, 2026-12-01, whole calls as graph replays, 8 rotated weight copies: rows 32 mma
-# 42.1-53.1 µs vs wgmma 42.7-53.7 (three shapes, K 2-6), rows 40 (14336x4096 K4) 49.1 vs 43.4, rows 64 58.1-78.7
-# vs 44.0-54.4. H200, 2026-12-02 (x' padded to whole row blocks; three shapes, K4): the wgmma kernel costs
-# whole 256-row blocks, so from 257 rows on its second block is mostly empty and decode + cuBLAS is faster
-# (257 rows 102.7-109.0 µs vs 114.5-131.0, 352 rows 114.0-127.0 vs 119.4-137.6), even at 416 rows (136.4 /
-# 132.9 / 136.9 vs 134.1 / 124.1 / 142.7); from 448 rows the wgmma kernel again (4096x14336 448 rows 135.3 vs
-# 153.4, 512 rows 129.5-150.4 vs 133.8-150.3); 513+ rows would take three row blocks (576 rows 267-339 µs vs
-# 158.8-165.5 with decode + cuBLAS)
-# H200, 2026-12-02 (fifteenth session, whole calls, one graph of 32 calls, three shapes): with 32 / 16 rows per
-# program (wgmma.WGMMA_32 / WGMMA_16) the wgmma kernel beats the mma GEMV at 17-32 rows for every K and codebook
-# (rows 32: 0.68-0.94x its time; rows 17: 0.72-0.96x) and at 9-16 rows for K 3, 5, 6, 8, 3.5 (K6 rows 16:
-# 0.91-0.95x; K3 0.98-1.00x), not for K 2 and 4 (1.02-1.06x, both codebooks)
+# with the wgmma kernel (Hopper): from WGMMA_MIN_ROWS (the mma GEMV below; WGMMA_MIN_ROWS_WIDE at a K outside
+# MMA_16_BITS) to WGMMA_MAX_ROWS (decode + cuBLAS above), except WGMMA_GAP, where its second 256-row block is
+# mostly empty (the crossovers: docs/kernels.md, "Tuned constants")
 WGMMA_MIN_ROWS = 17
 WGMMA_MIN_ROWS_WIDE = 9      # ... at a K outside MMA_16_BITS
-MMA_16_BITS = (1.0, 2.0, 4.0)  # K at which 9-16 rows stay on the mma GEMV (K1: the wgmma kernel 1.00-1.04x)
+MMA_16_BITS = (1.0, 2.0, 4.0)  # K at which 9-16 rows stay on the mma GEMV
 WGMMA_MAX_ROWS = 512
 WGMMA_GAP = (257, 416)
 
@@ -474,7 +404,7 @@ def _linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torc
         _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0))
         return y
     if path == "mma":
-        pdl = _use_pdl(x.device)
+        pdl = use_pdl(x.device)
         cfg = mma_cfg or default_mma_config(rows, kbits)
         xf = alloc((nseg, xfrag_rows(rows, cfg), in_p) if bounds else (xfrag_rows(rows, cfg), in_p), torch.float16)
         acc = alloc((1, rows, out_p), torch.float32) if use_atomic(cfg) else None
@@ -484,7 +414,7 @@ def _linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torc
         return y
     if path == "wgmma":
         wcfg = _wg.default_wgmma_config(rows, kbits)
-        pdl = wcfg.pdl and _use_pdl(x.device)
+        pdl = wcfg.pdl and use_pdl(x.device)
         # x' in whole row blocks (no TMA box past its end: ~2x faster for a partial last block); rows past x's
         # are left unwritten: they only reach product rows that are not stored
         padded = _wg.padded_rows(rows, wcfg)
@@ -493,7 +423,7 @@ def _linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torc
         acc = alloc((1, rows, out_p), torch.float32) if atomic else None
         _had(x, suh, xh.view(nseg, padded, in_p) if bounds else xh[:rows], pre=True, pdl=pdl, zero=acc)  # (zeroes acc)
         z = _wg.wgmma_rotated(xh, trellis, codebook, wcfg, pdl=pdl, rows=rows, acc=acc, alloc=alloc,
-                              seg=(*seg_tiles(bounds, out_p // 16), padded) if bounds else None)
+                              **({"seg": (*seg_tiles(bounds, out_p // 16), padded)} if bounds else {}))
         _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0), pdl=pdl)
         return y
     xh = alloc((nseg, rows, in_p) if bounds else (rows, in_p), torch.float16)

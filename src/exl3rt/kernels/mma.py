@@ -11,7 +11,7 @@ the B-operand registers of lane L for the two n8 halves of the tile. So a warp m
 * the lane loads those words once per tile and shifts them right by ``R = 32·⌈E_L/32⌉ − E_L`` (a
   per-lane constant, 64-bit funnel shifts), after which position p's 16-bit window ends
   ``d_p = (7 − p)·KA + HALF·(4 − ⌊(p + 1)/2⌋)`` bits before the end: compile-time shifts again;
-* states → codebook values (``gemv._decode`` arithmetic); on the GPU the whole per-lane decode
+* states → codebook values (``gemv.decode_values`` arithmetic); on the GPU the whole per-lane decode
   (normalizing shifts, windows, codebook, packing two positions per ``f16x2`` register) is one
   inline-PTX block generated per K and codebook by :mod:`exl3rt.kernels.lane_decode`;
 * x' (fp16) is the A operand: lane L loads ``x'[g, 16a + 2c + {0, 1, 8, 9}]`` and the same for
@@ -40,8 +40,8 @@ if HAVE_GDC:
 if HAVE_TRITON:
     from triton.runtime.jit import constexpr_function
 
-    from .gemv import _decode
-    from .hadamard import _xfrag_offsets
+    from .gemv import decode_values
+    from .hadamard import frag_offsets
 
     def _source_key() -> str:
         import hashlib
@@ -63,7 +63,7 @@ if HAVE_TRITON:
         return lane_decode_ptx(ka, half, cb, mult, add, bool(halves))[0]
 
     @constexpr_function
-    def _unroll_for(ka, half):
+    def unroll_for(ka, half):
         """:func:`default_unroll` of kernel K arguments (``KA``, ``HALF``), without k-split warps."""
         from . import mma
         return mma.default_unroll(ka + half / 2)
@@ -71,8 +71,7 @@ if HAVE_TRITON:
     @constexpr_function
     def _halves_for(halves, swap, ka, half):
         """Where allowed (``halves``), the unrounded halves run with swapped operands (at 9–64 rows, decoded tile as
-        B, they were 3–15 % slower) where the lane decode has normalizing shifts: K other than 4 and 8 (H200,
-        2026-12-01, 4096×14336, kernel alone at rows 1/4/8: K2 −8 %, K3 −5 %, K6 −2 %, K4 +1.5 %)."""
+        B, they were 3–15 % slower) where the lane decode has normalizing shifts: K other than 4 and 8."""
         from .lane_decode import needs_shift
         return bool(halves) and bool(swap) and needs_shift(ka, half)
 
@@ -220,7 +219,7 @@ if HAVE_TRITON:
         """fp16 offset of x'[m, k]: row-major (``stride_x`` per row) or, with ``XFRAG``, fragment order
         (``stride_x``: int32 per row block; :func:`exl3rt.kernels.hadamard.xfrag_offsets`)."""
         if XFRAG:
-            off = _xfrag_offsets(m, k, stride_x, SWAP)
+            off = frag_offsets(m, k, stride_x, SWAP)
         else:
             off = m * stride_x + k
         return off
@@ -275,7 +274,7 @@ if HAVE_TRITON:
                 hi = acc[s_][1]
                 kvalid = (ac < a1)[None, :]
                 for p in tl.static_range(8):
-                    v = _decode(st[p], CB, MULT, ADD, False)              # [32·WARPS]
+                    v = decode_values(st[p], CB, MULT, ADD, False)              # [32·WARPS]
                     kr = ac * 16 + r_base + (p & 1) + 8 * ((p >> 1) & 1)  # input index per lane
                     xv = tl.load(x_ptr + _x_offsets(mm[:, None], kr[None, :], stride_x, SWAP, XFRAG),
                                  mask=mmask[:, None] & kvalid, other=0.0).to(tl.float32)  # [16·MB, 32·WARPS]
@@ -288,7 +287,7 @@ if HAVE_TRITON:
         return new_acc
 
     @triton.jit(do_not_specialize=["rows", "one", "seg_b1", "seg_b2"])
-    def _mma_kernel(x_ptr, w_ptr, z_ptr, rows, in_tiles, tn_total, k_per, stride_x, stride_zs, one,
+    def mma_kernel(x_ptr, w_ptr, z_ptr, rows, in_tiles, tn_total, k_per, stride_x, stride_zs, one,
                     KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
                     ADD: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr,
                     ASM: tl.constexpr, KSPLIT: tl.constexpr, MB: tl.constexpr, SWAP: tl.constexpr,
@@ -308,12 +307,12 @@ if HAVE_TRITON:
         x_ptr += ((t0 >= seg_b1).to(tl.int32) + (t0 >= seg_b2).to(tl.int32)) * seg_x
         a0 = pid_k * k_per
         a1 = tl.minimum(a0 + k_per, in_tiles)
-        _mma_pass(x_ptr, w_ptr, z_ptr + pid_k * stride_zs, rows, pid_m * (8 if SWAP else 16) * MB, a0, a1, pid_n,
+        mma_pass(x_ptr, w_ptr, z_ptr + pid_k * stride_zs, rows, pid_m * (8 if SWAP else 16) * MB, a0, a1, pid_n,
                   tn_total, stride_x, one, KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, KSPLIT, MB, SWAP, PDL, UNROLL,
                   XFRAG, False, HALVES, ATOMIC)
 
     @triton.jit
-    def _mma_pass(x_ptr, w_ptr, zrow, rows, m0, a0, a1, pid_n, tn_total, stride_x, one,
+    def mma_pass(x_ptr, w_ptr, zrow, rows, m0, a0, a1, pid_n, tn_total, stride_x, one,
                   KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
                   ADD: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr,
                   ASM: tl.constexpr, KSPLIT: tl.constexpr = False, MB: tl.constexpr = 1,
@@ -549,9 +548,7 @@ if HAVE_TRITON:
 
 def default_unroll(bits, ksplit: bool = False) -> int:
     """k-tiles per iteration of the mma loop (``UNROLL``): 2 up to K = 4 (no register moves of the
-    prefetched words), 1 above and for k-split warps. H200, 2026-11-30, one graph of 32 calls, unroll 1
-    vs 2: 4096×14336 K4 rows 1 23.0 vs 22.1 µs, rows 32 57.1 vs 51.7; K6 rows 1 25.7 vs 27.8; k-split
-    (rows 16) K2 40.9 vs 43.7."""
+    prefetched words), 1 above and for k-split warps."""
     return 2 if bits <= 4 and not ksplit else 1
 
 

@@ -1,4 +1,4 @@
-"""Mixed-bitrate EXL3 MoE on the GPU: each projection of every tier in one launch (issue 6).
+"""Mixed-bitrate EXL3 MoE on the GPU: each projection of every tier in one launch.
 
 An MoE layer's experts are grouped into tiers by bitrate (:mod:`exl3rt.moe.tiers`); routes are
 packed into blocks of ``block_m`` routes of one expert (:func:`exl3rt.kernels.routing.pack_routes`,
@@ -44,32 +44,25 @@ from . import moe_wgmma as _mwg
 from ._triton import HAVE_TRITON, tl, triton
 from .launch import (Recording, Replay, current_stream, direct_launch_ok, launch, plans_epoch, run_plan,
                      scratch_layout)
-from .linear import (_cb_args, _kernel_bits, _pdl_args, _use_asm, _use_pdl, gemv_splits, interpreting,
-                     stream_workspace, use_halves)
+from .common import cb_args, interpreting, kernel_bits, pdl_args, use_asm, use_pdl
+from .linear import gemv_splits, stream_workspace, use_halves
 
 MAX_TIERS = 4
 
 #: programs a tiered launch aims at (n-tile groups × route blocks × K splits; the route blocks counted are
-#: every block the pack may fill, live or not) and the fewest k-tiles a split should get. H200, 2026-12-01,
-#: hidden 6144, I 2048 / 512, 256 experts top-8, K3/K4 192/64, graph-timed calls: 16896 programs against
-#: 2112 gave 8–20 % at 8–512 rows with I = 512 and 10 % at 8 rows with I = 2048, even elsewhere, except
-#: at one row, where splits under ~24 k-tiles lost (I = 2048: 128 µs at 44 k-tiles per split, 131 at 24,
-#: 138 at 12)
+#: every block the pack may fill, live or not) and the fewest k-tiles a split should get (docs/moe.md, "Tuned
+#: constants")
 TARGET_PROGRAMS = 16896
 MIN_SPLIT_K_TILES = 24
 #: the fewest k-tiles per split where the splits add into one buffer (``atomic``: the decode plan's route blocks of
-#: 8), where more splits cost no partials to read. H200, 2026-12-02 (eighteenth session, same-process A/B, 8 routings,
-#: one graph of 8 calls / one graph per call, best of 3, against 24): I 512 one token 39.6 / 44.4 µs vs 43.3 / 48.5
-#: (0.91), 2 rows 0.95-0.96, 4 rows 0.99, 8 / 32 / 128 rows and every row count at I 2048 within ±1 % (12 k-tiles:
-#: 0.95 at one token, I 512); with stored partials (``EXL3RT_KERNEL_DETERMINISTIC=1``) 8 or 12 were up to 7 % slower
+#: 8), where more splits cost no partials to read
 MIN_SPLIT_K_TILES_ATOMIC = 8
 
-#: n-tiles per program of a tiered launch. Four at every route block (H200, 2026-12-01, I 2048, 2048 rows:
-#: route block 64 with four 16-row blocks per pass 10214 µs at 4 tiles, 16938 at 2; block 32, 10527 / 15230)
+#: n-tiles per program of a tiered launch: four at every route block
 DEFAULT_NT = 4
 
 if HAVE_TRITON:
-    from .mma import _mma_pass, _unroll_for
+    from .mma import mma_pass, unroll_for
 
     @triton.jit
     def _tier_pass(x_ptr, w_ptr, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
@@ -81,8 +74,8 @@ if HAVE_TRITON:
         expert ``local`` of the tier's stacked trellis at ``w_ptr``; 16-row blocks past ``lim`` (padding
         slots only) load no x' and run no mma."""
         estride = k_tiles * n_tiles * (8 * KA + 4 * HALF)          # int32 words per expert
-        _mma_pass(x_ptr, w_ptr + local * estride, z_ptr, lim, m0, a0, a1, pid_n, n_tiles, stride_x, one,
-                  KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, False, MB, SWAP, PDL, _unroll_for(KA, HALF),
+        mma_pass(x_ptr, w_ptr + local * estride, z_ptr, lim, m0, a0, a1, pid_n, n_tiles, stride_x, one,
+                  KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, False, MB, SWAP, PDL, unroll_for(KA, HALF),
                   XFRAG, MB > 1, HALVES, ATOMIC)
 
     @triton.jit
@@ -201,7 +194,7 @@ def _check_stacks(name: str, tier_trellis: Sequence[torch.Tensor]) -> tuple[int,
     return k_tiles, n_tiles
 
 
-def _tier_words(name: str, tier_trellis: Sequence[torch.Tensor], second: Optional[Sequence[torch.Tensor]]
+def tier_words(name: str, tier_trellis: Sequence[torch.Tensor], second: Optional[Sequence[torch.Tensor]]
                 ) -> tuple[int, int, list[torch.Tensor], list[torch.Tensor]]:
     """(k-tiles, n-tiles, words, second words) of a tiered launch: the checked stacks of the first projection
     and of ``second`` (same tier shapes; the first's when None) as int32 views, each list padded to
@@ -240,14 +233,14 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     run passes in which 2/4 16-row blocks share each decoded tile (:func:`pass_row_blocks`). ``atomic``: the K
     splits add into one buffer, ``z [P, 1, slots, out_p]`` (``red.add``; with ``zero=False`` the caller zeroes
     the rows it will read before the launch; ``acc``: that buffer, given). ``pdl``: a programmatic dependent
-    launch where the device has it (:func:`~exl3rt.kernels.linear._use_pdl`): the launch before it must be a
+    launch where the device has it (:func:`~exl3rt.kernels.common.use_pdl`): the launch before it must be a
     pass that waited for the packer before letting this one start (the fused passes of :func:`exl3_moe`).
     ``alloc(shape, dtype=, device=)`` makes ``torch.empty``-like partials (a launch plan's recording notes them)."""
     name = "grouped_gemv"
     nproj = 1 if second is None else 2
     in_p = xs.shape[-1]
     slots = xs.shape[-2]
-    k_tiles, n_tiles, ws, vs = _tier_words(name, tier_trellis, second)
+    k_tiles, n_tiles, ws, vs = tier_words(name, tier_trellis, second)
     if in_p != k_tiles * 16:
         raise ValueError(f"{name}: xs has {in_p} columns, the trellis {k_tiles * 16} rows")
     if xs.stride(-1) != 1 or xs.stride(-2) != in_p:
@@ -275,8 +268,8 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
         z = acc
     else:
         z = make(shape, dtype=torch.float32, device=xs.device)
-    cb, mult, add = _cb_args(codebook)
-    ks = [_kernel_bits(b) for b in tier_bits] + [(1, 0)] * (MAX_TIERS - len(tier_bits))
+    cb, mult, add = cb_args(codebook)
+    ks = [kernel_bits(b) for b in tier_bits] + [(1, 0)] * (MAX_TIERS - len(tier_bits))
     nwl = [_mm.words_per_lane(b) for b in tier_bits] + [2] * (MAX_TIERS - len(tier_bits))
     grid = (nproj * n_blocks, max_blocks, splits)
     stride_x = (4 if frag == 2 else 8) * in_p if frag else in_p    # int32 per row block of 8 / 16 rows, or fp16 per row
@@ -289,9 +282,9 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
            K0A=ks[0][0], K0H=ks[0][1], N0=nwl[0], K1A=ks[1][0], K1H=ks[1][1], N1=nwl[1],
            K2A=ks[2][0], K2H=ks[2][1], N2=nwl[2], K3A=ks[3][0], K3H=ks[3][1], N3=nwl[3],
            CB=cb, MULT=mult, ADD=add, NT=ntw // warps, WARPS=warps, BLOCK_M=block_m,
-           ASM=_use_asm(xs.device), NPROJ=nproj, XFRAG=bool(frag), MB=pass_row_blocks(block_m),
+           ASM=use_asm(xs.device), NPROJ=nproj, XFRAG=bool(frag), MB=pass_row_blocks(block_m),
            REAL=real, HALVES=use_halves(xs.device, cb), num_warps=warps,
-           **(_pdl_args(xs.device) if pdl else {}))
+           **(pdl_args(xs.device) if pdl else {}))
     return z
 
 
@@ -416,7 +409,7 @@ def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, ex
     (``torch.empty``: the kernel writes every element). ``pdl``: a programmatic dependent launch where the
     device has it (it lets the next launch start at once, then waits for the previous one). ``alloc(shape,
     dtype=, device=)`` makes the buffers."""
-    from .moe_glue import _moe_pack_kernel
+    from .moe_glue import moe_pack_kernel
     alloc = alloc or torch.empty        # looked up per call (tests put a stand-in in torch.empty)
     numel, E = int(topk_ids.numel()), int(num_experts)
     if (topk_ids.dtype not in ID_DTYPES or topk_ids.dim() != 2 or not 0 < numel <= pack_max_routes(topk_ids.device)
@@ -432,9 +425,9 @@ def pack_routes_fused(topk_ids: torch.Tensor, num_experts: int, block_m: int, ex
     np_, warps = next(w for w in PACK_WIDTHS if numel <= w[0])
     scratch = alloc((np_,), dtype=torch.int32, device=dev)
     emap = expert_map if expert_map.is_contiguous() else expert_map.contiguous()
-    launch(_moe_pack_kernel, (1,), topk_ids.reshape(-1), emap, pack.sorted_routes, pack.block_experts,
+    launch(moe_pack_kernel, (1,), topk_ids.reshape(-1), emap, pack.sorted_routes, pack.block_experts,
            pack.num_padded, pack.expert_counts, scratch, numel, int(emap.shape[0]), E, cap, pack.max_blocks,
-           NP=np_, EP=next_pow2(E), FB=256, BLOCK_M=int(block_m), num_warps=warps, **(_pdl_args(dev) if pdl else {}))
+           NP=np_, EP=next_pow2(E), FB=256, BLOCK_M=int(block_m), num_warps=warps, **(pdl_args(dev) if pdl else {}))
     return pack
 
 
@@ -481,23 +474,9 @@ def default_glue(block_m: int) -> GlueLaunch:
     specialization per plan, so a prewarm at any row count covers every T). One-warp programs throughout;
     8-row blocks (the decode plan): one slot per mid program reading up to 16 partials at once. x'/h' in
     fragment order for 8-row blocks and for blocks whose passes share a decoded tile between 16-row blocks
-    (:func:`pass_row_blocks` > 1), row-major for 16. H200, hidden 6144, I 2048 / 512, 256 experts top-8,
-    K3/K4 192/64 (graph-timed calls, one knob at a time): the one-warp passes gave 5–10 % at 1–32 rows
-    (mid-pass 13.8 → 4.8 µs at one row; 2026-12-01); fragment order 1–3 % with 8-row blocks, 0–2 % slower
-    with 16, and with 32/64-row blocks 5–16 % faster (I 2048, 2048 rows, block 64: 8601 vs 10221 µs; 512
-    rows, block 32: 4117 vs 4429; 2026-12-01, second run). Programmatic dependent launch between the six
-    launches, first tried with every pass and tiered launch waiting at its start, was slower at 8 of 10 points
-    (up to 13 %; seventh session; see ``pdl_max_rows`` below for the form that pays). 8-row blocks: the post-pass reads
-    one split per load with 2 warps (8 splits per load in one warp spilled: 255 registers for a token's 8
-    routes × 8 splits × 128 columns): best of 12 shapes at one row in a same-run sweep (I 2048 123.4 µs, I 512
-    52.0; the old shape 125–126.5 and 54.2–54.4 in the session's other runs), 8 and 32 rows within noise; a
-    later separate run 125.6 / 55 µs, inside the old shape's spread (H200, 2026-12-01). ``atomic`` (route blocks of
-    8; twelfth session): one token 1-1.5 % faster, 8-32 rows unchanged (K is not split there). Programmatic
-    dependent launch (``pdl_max_rows``; seventeenth session, 2026-12-02, same-process A/B, 4 routings, one graph
-    per call / one graph of 8 calls, best of two): I 2048 rows 1 / 2 / 4 116.5 / 204.9 / 362.8 µs vs 120.9 /
-    206.5 / 366.1 (in 8: 108.2 / 192.4 / 349.9 vs 112.4 / 194.8 / 351.3), I 512 52.5 / 77.0 / 118.0 vs 54.0 /
-    78.7 / 123.6; at 8 rows ±1 %, at 32 rows 2-3.6 % slower (also with the tiered launches left out of it):
-    up to 4 rows."""
+    (:func:`pass_row_blocks` > 1), row-major for 16; the 8-row blocks' post-pass reads one split per load with 2
+    warps; programmatic dependent launch up to ``pdl_max_rows`` (the measurements: docs/moe.md, "Tuned
+    constants")."""
     if block_m <= 8:
         return GlueLaunch(mid_rows=1, mid_splits=16, frag=True, post_splits=1, post_warps=2, pdl_max_rows=4)
     return GlueLaunch(frag=pass_row_blocks(block_m) > 1)
@@ -508,15 +487,15 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
            glue: GlueLaunch, alloc: Optional[Callable] = None) -> torch.Tensor:
     """Six Triton launches: pack (one program; the torch packer past PACK_MAX_ROUTES), pre, gate+up, mid,
     down, post (kernels/moe_glue.py)."""
-    from .moe_glue import _moe_mid_kernel, _moe_post_kernel, _moe_pre_kernel
+    from .moe_glue import moe_mid_kernel, moe_post_kernel, moe_pre_kernel
     alloc = alloc or torch.empty
     T, H = x.shape
     k = int(topk_ids.shape[1])
     numel = T * k
     dev = x.device
     use_wg = glue.wgmma and _mwg.applies(dev, block_m)
-    pdl = T <= glue.pdl_max_rows and not use_wg and _use_pdl(dev)
-    pd = _pdl_args(dev) if pdl else {}
+    pdl = T <= glue.pdl_max_rows and not use_wg and use_pdl(dev)
+    pd = pdl_args(dev) if pdl else {}
     pack = pack_routes_fused(topk_ids, w.num_experts, block_m, w.expert_map, pdl=pdl, alloc=alloc)
     slots = pack.capacity
     I = int(w.up[0].shape[2]) * 16
@@ -540,7 +519,7 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     # so a prewarm at any row count covers every T
     br = glue.pre_rows
     launch(
-        _moe_pre_kernel, (triton.cdiv(slots, br), H // 128),
+        moe_pre_kernel, (triton.cdiv(slots, br), H // 128),
         x, pack.sorted_routes, pack.block_experts, pack.num_padded, up_suh, gate_suh, xs, pos, slots, numel, k, H,
         x.stride(0), _row_stride(up_suh), _row_stride(gate_suh), slots * H, int(two),
         BR=br, BLOCK_M=block_m, FRAG=frag, num_warps=glue.pre_warps, **zz, **pd)
@@ -567,7 +546,7 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     zd = alloc((1, 1, slots, H), dtype=torch.float32, device=dev) if atomic else None
     brm = glue.mid_rows
     launch(
-        _moe_mid_kernel, (triton.cdiv(slots, brm), I // 128),
+        moe_mid_kernel, (triton.cdiv(slots, brm), I // 128),
         zgu, pack.sorted_routes, pack.block_experts, pack.num_padded, gate_svh, up_svh, down_suh, hs, slots, numel, I,
         splits, zgu.stride(1), zgu.stride(0), _row_stride(gate_svh), _row_stride(up_svh), _row_stride(down_suh),
         GATED=gated, BR=brm, SB=1 if atomic else glue.mid_splits, BLOCK_M=block_m, FRAG=frag,
@@ -585,7 +564,7 @@ def _fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     wp = glue.post_warps or (1 if kp <= 2 else 4)
     sbp = glue.post_splits
     launch(
-        _moe_post_kernel, (T, H // 128),
+        moe_post_kernel, (T, H // 128),
         zd, pack.sorted_routes, pos, pack.block_experts, wts, down_svh, y, numel, k, H, splits, zd.stride(0),
         _row_stride(down_svh), slots, KP=kp, SB=sbp, BLOCK_M=block_m, num_warps=wp, **pd)
     if out is not None and y is not out:

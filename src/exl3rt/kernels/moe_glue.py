@@ -1,16 +1,16 @@
-"""The passes around the tiered MoE launches (issue 6): packing, gather, rotations, activation, weighted sum.
+"""The passes around the tiered MoE launches: packing, gather, rotations, activation, weighted sum.
 
 :func:`exl3rt.kernels.moe.exl3_moe` (fused path) runs six launches::
 
-    pack     _moe_pack_kernel   pack_routes in one program, a sort of NP (64 or 1024) keys (same outputs;
+    pack     moe_pack_kernel   pack_routes in one program, a sort of NP (64 or 1024) keys (same outputs;
                                 T·k <= PACK_MAX_ROUTES, else the torch packer)
-    pre      _moe_pre_kernel    x'[p, s] = (x[tok(s)] ⊙ suh_p[e(s)])·H   fp16; p = gate, up (or one shared);
+    pre      moe_pre_kernel    x'[p, s] = (x[tok(s)] ⊙ suh_p[e(s)])·H   fp16; p = gate, up (or one shared);
                                 zero rows for padding slots (a program of padding slots only writes
                                 nothing: no pass reads their rows); pos[route] = slot (the inverse permutation)
     gate+up  _moe_mma_kernel    one launch for both projections: split-K partials zgu[p, split, slot, I]
-    mid      _moe_mid_kernel    h'[s] = ((silu(Σ zg·H ⊙ gate_svh) · (Σ zu·H ⊙ up_svh)) ⊙ down_suh)·H   fp16
+    mid      moe_mid_kernel    h'[s] = ((silu(Σ zg·H ⊙ gate_svh) · (Σ zu·H ⊙ up_svh)) ⊙ down_suh)·H   fp16
     down     _moe_mma_kernel    zd[split, slot, H]
-    post     _moe_post_kernel   y[t] = Σ_j w[t, j] · (Σ zd[:, pos[t·k + j]]·H ⊙ down_svh[e])   x.dtype
+    post     moe_post_kernel   y[t] = Σ_j w[t, j] · (Σ zd[:, pos[t·k + j]]·H ⊙ down_svh[e])   x.dtype
 
 Everything is blockwise per 128 columns (the Hadamard blocks), per slot; ``e(s)`` is the slot's block
 expert ``block_experts[s // block_m]``. Only slots below ``num_padded`` are live: the tiered launches
@@ -30,7 +30,7 @@ from ._triton import HAVE_TRITON, tl, triton
 
 if HAVE_TRITON:
     from ._triton import HAVE_GDC
-    from .hadamard import HAD_SCALE_C, _fwht128, _xfrag_offsets
+    from .hadamard import HAD_SCALE_C, fwht128, frag_offsets
 
     if HAVE_GDC:
         from ._triton import gdc_launch_dependents, gdc_wait
@@ -76,7 +76,7 @@ if HAVE_TRITON:
         return tl.maximum(a, b)
 
     @triton.jit(do_not_specialize=["numel", "n_map", "cap", "max_blocks"])
-    def _moe_pack_kernel(ids_ptr, map_ptr, routes_ptr, blk_ptr, npad_ptr, counts_ptr, scratch_ptr,
+    def moe_pack_kernel(ids_ptr, map_ptr, routes_ptr, blk_ptr, npad_ptr, counts_ptr, scratch_ptr,
                          numel, n_map, E, cap, max_blocks,
                          NP: tl.constexpr, EP: tl.constexpr, FB: tl.constexpr, BLOCK_M: tl.constexpr,
                          PDL: tl.constexpr = False):
@@ -135,7 +135,7 @@ if HAVE_TRITON:
         or (FRAG 1/2) the tiered launch's fragment order (16-row A / 8-row B fragments, route blocks are
         whole row blocks)."""
         if FRAG:
-            return _xfrag_offsets(s.to(tl.int64)[:, None], c[None, :], n * (4 if FRAG == 2 else 8), FRAG == 2)
+            return frag_offsets(s.to(tl.int64)[:, None], c[None, :], n * (4 if FRAG == 2 else 8), FRAG == 2)
         return s.to(tl.int64)[:, None] * n + c[None, :]
 
     @triton.jit
@@ -150,7 +150,7 @@ if HAVE_TRITON:
             tl.store(pz, tl.zeros([BR, 128], tl.float32), mask=live[:, None])
 
     @triton.jit(do_not_specialize=["slots", "numel", "k", "stride_x", "two"])
-    def _moe_pre_kernel(x_ptr, routes_ptr, blk_ptr, npad_ptr, su_ptr, sg_ptr, xs_ptr, pos_ptr,
+    def moe_pre_kernel(x_ptr, routes_ptr, blk_ptr, npad_ptr, su_ptr, sg_ptr, xs_ptr, pos_ptr,
                         slots, numel, k, H, stride_x, su_se, sg_se, stride_xsp, two,
                         BR: tl.constexpr, BLOCK_M: tl.constexpr, FRAG: tl.constexpr = 0,
                         zz_ptr=None, zz_n=0, zz_pstride=0, ZNP: tl.constexpr = 0, PDL: tl.constexpr = False):
@@ -171,11 +171,11 @@ if HAVE_TRITON:
             xv = tl.load(x_ptr + tok[:, None] * stride_x + c[None, :], mask=live[:, None], other=0.0).to(tl.float32)
             so = _slot_offsets(s, c, H, FRAG)
             su = tl.load(su_ptr + e[:, None] * su_se + c[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-            yu = _fwht128(xv * (su * HAD_SCALE_C), BR)
+            yu = fwht128(xv * (su * HAD_SCALE_C), BR)
             tl.store(xs_ptr + two * stride_xsp + so, yu.to(tl.float16), mask=smask[:, None])
             if two != 0:
                 sg = tl.load(sg_ptr + e[:, None] * sg_se + c[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-                yg = _fwht128(xv * (sg * HAD_SCALE_C), BR)
+                yg = fwht128(xv * (sg * HAD_SCALE_C), BR)
                 tl.store(xs_ptr + so, yg.to(tl.float16), mask=smask[:, None])
             if tl.program_id(1) == 0:
                 tl.store(pos_ptr + tl.where(live, r, 0), s, mask=live)
@@ -183,7 +183,7 @@ if HAVE_TRITON:
                 _zero_rows(zz_ptr, s, live, zz_n, zz_pstride, ZNP, BR)
 
     @triton.jit(do_not_specialize=["slots", "splits", "numel"])
-    def _moe_mid_kernel(z_ptr, routes_ptr, blk_ptr, npad_ptr, gsv_ptr, usv_ptr, dsu_ptr, h_ptr,
+    def moe_mid_kernel(z_ptr, routes_ptr, blk_ptr, npad_ptr, gsv_ptr, usv_ptr, dsu_ptr, h_ptr,
                         slots, numel, I, splits, stride_zs, stride_zp, g_se, u_se, d_se,
                         GATED: tl.constexpr, BR: tl.constexpr, SB: tl.constexpr, BLOCK_M: tl.constexpr,
                         FRAG: tl.constexpr = 0, zz_ptr=None, zz_n=0, ZERO_D: tl.constexpr = False,
@@ -204,21 +204,21 @@ if HAVE_TRITON:
             else:
                 zu_ptr = z_ptr
             usv = tl.load(usv_ptr + e[:, None] * u_se + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            u = _fwht128(_sum_splits(zu_ptr, offs, m2, splits, stride_zs, SB, BR), BR) * (usv * HAD_SCALE_C)
+            u = fwht128(_sum_splits(zu_ptr, offs, m2, splits, stride_zs, SB, BR), BR) * (usv * HAD_SCALE_C)
             if GATED:
                 gsv = tl.load(gsv_ptr + e[:, None] * g_se + c[None, :], mask=m2, other=0.0).to(tl.float32)
-                g = _fwht128(_sum_splits(z_ptr, offs, m2, splits, stride_zs, SB, BR), BR) * (gsv * HAD_SCALE_C)
+                g = fwht128(_sum_splits(z_ptr, offs, m2, splits, stride_zs, SB, BR), BR) * (gsv * HAD_SCALE_C)
                 h = g / (1.0 + tl.exp(-g)) * u
             else:
                 h = u / (1.0 + tl.exp(-u))
             dsu = tl.load(dsu_ptr + e[:, None] * d_se + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            hd = _fwht128(h * (dsu * HAD_SCALE_C), BR)
+            hd = fwht128(h * (dsu * HAD_SCALE_C), BR)
             tl.store(h_ptr + _slot_offsets(s, c, I, FRAG), hd.to(tl.float16), mask=smask[:, None])
             if ZERO_D:
                 _zero_rows(zz_ptr, s, live, zz_n, 0, 1, BR)
 
     @triton.jit(do_not_specialize=["numel", "splits", "cap"])
-    def _moe_post_kernel(z_ptr, routes_ptr, pos_ptr, blk_ptr, w_ptr, sv_ptr, y_ptr,
+    def moe_post_kernel(z_ptr, routes_ptr, pos_ptr, blk_ptr, w_ptr, sv_ptr, y_ptr,
                          numel, k, H, splits, stride_zs, sv_se, cap,
                          KP: tl.constexpr, SB: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):
         """y[t, cols] = Σ_j w[t·k + j] · ((Σ_split zd[:, slot_j, cols])·H ⊙ down_svh[e_j]) over the token's
@@ -242,7 +242,7 @@ if HAVE_TRITON:
         z = _sum_splits(z_ptr, offs, jm[:, None], splits, stride_zs, SB, KP)
         e = tl.where(ok, tl.maximum(e, 0), 0).to(tl.int64)
         sv = tl.load(sv_ptr + e[:, None] * sv_se + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        yv = _fwht128(z, KP) * (sv * (wt * HAD_SCALE_C)[:, None])
+        yv = fwht128(z, KP) * (sv * (wt * HAD_SCALE_C)[:, None])
         yv = tl.where(m2, yv, 0.0)
         tl.store(y_ptr + t.to(tl.int64) * H + c, tl.sum(yv, axis=0).to(y_ptr.dtype.element_ty))
 

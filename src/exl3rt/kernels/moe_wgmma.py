@@ -27,22 +27,14 @@ from .launch import launch
 from .wgmma import HAVE_GLUON, KC, WARPS
 
 #: route blocks the wgmma launch takes (the wgmma's N; TMA boxes of [block, 64] x' rows), and per block (x' buffers,
-#: two chunks decoded per wgmma wait — ``WgmmaConfig.pair``). H200, 2026-12-01, hidden 6144, 256 experts top-8,
-#: K3/K4 192/64, graph-timed layer calls against the mma launch: blocks of 64 7418 vs 8636 µs at 2048 rows (I 2048)
-#: and 2572 vs 3156 (I 512), 4792 vs 5304 / 1588 vs 1744 at 512 rows (4 buffers). Blocks of 32 (16-31 routes per
-#: expert) since 2026-12-02 (sixteenth session) with the dense kernel's small-block loop, 2 buffers and paired
-#: chunks: rows 512 / 640 / 768 / 896 / 1000, I 2048 3989 / 4088 / 4257 / 4919 / 5645 µs vs 3942 / 4154 / 4408 /
-#: 4993 / 5618 on the mma launch, I 512 1321 / 1388 / 1460 / 1646 / 1857 vs 1327 / 1448 / 1562 / 1756 / 1935
-#: (unpaired or 3 buffers 1-3 % slower; 4 buffers, the first try, 3-4 % slower than the mma launch); blocks of 16
-#: stay on the mma launch (6-11 % faster at 128 / 256 rows). Paired chunks on blocks of 64 (3 buffers) and 128 (4)
-#: too, same day: rows 1024 / 1536 (block 64), 2048 / 3072 (block 128): I 2048 4695 / 5028 / 6650 / 7325 µs vs
-#: 5008 / 5325 / 7056 / 7782 unpaired with 4 buffers, I 512 1666 / 1833 / 2417 / 2785 vs 1757 / 1916 / 2550 / 2899
+#: two chunks decoded per wgmma wait — ``WgmmaConfig.pair``): the fastest settings tried against the mma launch
+#: (docs/moe.md, "Tuned constants"); blocks of 16 stay on the mma launch
 SETTINGS = {32: (2, True), 64: (3, True), 128: (4, True)}
 #: the programs the K split aims at (prefill grids are large: no split then)
 TARGET_PROGRAMS = 1024
 
 if HAVE_GLUON:
-    from .wgmma import _chunk_words, _chunks, _lanes, _refill, gl, gluon, mbarrier
+    from .wgmma import chunk_words, run_chunks, warp_lanes, refill_x, gl, gluon, mbarrier
 
     _KC = gl.constexpr(KC)
     _WARPS = gl.constexpr(WARPS)
@@ -53,10 +45,10 @@ if HAVE_GLUON:
                      CONS: gl.constexpr, DOT: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr):
         """The waiting chunk loop of :mod:`exl3rt.kernels.wgmma` on expert ``local`` of a tier's stack."""
         estride = k_tiles * n_tiles * (8 * KA + 4 * HALF)          # int32 words per expert
-        wb, kstride, rsh, xorc, idx = _lanes(w_ptr + local.to(gl.int64) * estride, tile0, a0, n_tiles, one,
+        wb, kstride, rsh, xorc, idx = warp_lanes(w_ptr + local.to(gl.int64) * estride, tile0, a0, n_tiles, one,
                                              KA, HALF, NWL)
-        wc = _chunk_words(wb, 0, kstride, nchunks > 0, idx, NWL)
-        return _chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
+        wc = chunk_words(wb, 0, kstride, nchunks > 0, idx, NWL)
+        return run_chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
                        TEXT, CONS, NWL, DOT, STAGES, False, PAIR)
 
     # nothing that follows from the row count is a specialization (slots, the second input's first row, the
@@ -103,7 +95,7 @@ if HAVE_GLUON:
                 mbarrier.init(bars.index(s), count=1)
             m0 = xrow + j * BR
             for s in gl.static_range(STAGES):
-                _refill(x_desc, xs, bars, s, m0, a0 + s * _KC, s < nchunks)
+                refill_x(x_desc, xs, bars, s, m0, a0 + s * _KC, s < nchunks)
             acc = gl.zeros([16 * _WARPS, BR], gl.float32, MMA)
             tile0 = pid_n * _WARPS
             if tier == 0:
@@ -143,12 +135,12 @@ def tiered_partials_wgmma(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor]
     partials ``[P, splits, slots, out_p]`` (rows of slots outside live blocks unwritten). ``alloc(shape, dtype=,
     device=)`` makes the partials (a launch plan's recording notes them)."""
     from ..format.bits import bits_from_trellis
-    from .moe import _tier_words
+    from .moe import tier_words
     name = "tiered_partials_wgmma"
     if not applies(xs.device, block_m):
         raise RuntimeError(f"{name}: needs route blocks of {tuple(SETTINGS)} on a device where the wgmma kernel runs "
                            f"(compute capability 9.0, Gluon), got block {block_m} on {xs.device}")
-    k_tiles, n_tiles, ws, vs = _tier_words(name, tier_trellis, second)
+    k_tiles, n_tiles, ws, vs = tier_words(name, tier_trellis, second)
     nproj = 1 if second is None else 2
     in_p, slots = xs.shape[-1], xs.shape[-2]
     if xs.dtype != torch.float16 or in_p != 16 * k_tiles or not xs.is_contiguous():
@@ -162,7 +154,7 @@ def tiered_partials_wgmma(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor]
     z = (alloc or torch.empty)((nproj, splits, slots, n_tiles * 16), dtype=torch.float32, device=xs.device)
     if max_blocks == 0:
         return z
-    desc = _wg.TensorDescriptor.from_tensor(xs.view(-1, in_p), [block_m, KC * 16], _wg._x_layout(block_m))
+    desc = _wg.TensorDescriptor.from_tensor(xs.view(-1, in_p), [block_m, KC * 16], _wg.x_layout(block_m))
     launch(_moe_wgmma_kernel, (nproj * n_groups, max_blocks, splits),
            desc, z, block_experts, descriptors, num_padded, *ws, *vs, slots, k_tiles, n_tiles, k_per, z.stride(1),
            z.stride(0), xrow_p, 1, n_groups, SHIFT=shift, num_warps=WARPS,
@@ -175,13 +167,13 @@ def kernel_constants(tier_bits: Sequence, codebook: str, block_m: int, nproj: in
     split into whole and half bits, NWL and the lane decode's PTX (tiers past the last: unused placeholders),
     the tier count, the route block, its buffers and paired chunks (:data:`SETTINGS`) and the projections."""
     from .lane_decode import lane_decode_ptx, lane_span_words
-    from .linear import _cb_args, _kernel_bits
+    from .common import cb_args, kernel_bits
     from .moe import MAX_TIERS
     stages, pair = SETTINGS[block_m]
     out = dict(NTIERS=len(tier_bits), BR=block_m, STAGES=stages, NPROJ=nproj, PAIR=pair)
     for t in range(MAX_TIERS):
-        ka, half = _kernel_bits(tier_bits[t]) if t < len(tier_bits) else (1, 0)
-        text, cons, _ = lane_decode_ptx(ka, half, *_cb_args(codebook)) if t < len(tier_bits) else ("", "", 0)
+        ka, half = kernel_bits(tier_bits[t]) if t < len(tier_bits) else (1, 0)
+        text, cons, _ = lane_decode_ptx(ka, half, *cb_args(codebook)) if t < len(tier_bits) else ("", "", 0)
         out.update({f"K{t}A": ka, f"K{t}H": half, f"N{t}": lane_span_words(ka, half), f"T{t}": text, f"C{t}": cons})
     return out
 

@@ -89,68 +89,24 @@ class WgmmaConfig:
                              f"chunks' x' boxes in flight), got overlap={self.overlap}, stages={self.stages}")
 
 
-# H200, 2026-12-01, kernel alone, 8 rotated weight copies, one graph per call (4096×14336 / 14336×4096, K4):
-# 256 rows per program with 3 x' buffers (2 programs per SM) best from 129 rows up (rows 256: 63.3 / 58.4 µs;
-# 512: 122.8 / 106.8) against 128 rows per program, 2 or 4 buffers, 8 warps (128 columns per program) and
-# A through shared memory with one wgmma group in flight; K split so that ~256 programs run.
-# Overlapped decode (2026-12-01, same bench, 4 runs): rows 256 K6 64.5-64.8 / 59.9-61.3 µs vs 77.6-78.5 /
-# 70.8-76.9, K2 60.8-61.3 / 57.0-57.8 vs 63.2-66.7, K4 within ±1 % (55.4-60.8 vs 55.7-60.6), rows 512 K4
-# 119.2-119.5 / 107.5-107.9 vs 117.7-118.5 / 106.7-108.1; 8 warps, 4-6 buffers, deeper word prefetch: no better
+# The launch configuration per row bucket: the fastest tried on the H200 (docs/kernels.md, "Tuned constants").
+# 129+ rows: 256 rows per program, 3 x' buffers, the next step decoded while the current wgmma runs
 WGMMA_256 = WgmmaConfig(block_rows=256, stages=3, target_programs=256, overlap=True)
-# From 129 rows at K other than 4 and 8 (the lane decode's normalizing shift): two chunks per wgmma wait with 3
-# buffers instead of the overlapped loop (H200, 2026-12-02, sixteenth session, whole calls, one graph of 32, rows
-# 256 / 512: K3 66.6 / 65.2 / 75.2 µs vs 71.7 / 68.7 / 79.6 (4096×14336 / 14336×4096 / 8192×8192), 132.6 / 128.1 /
-# 147.7 vs 141.4 / 134.7 / 158.0; K6 71.2 / 68.0 / 78.9 vs 73.0 / 70.5 / 81.4, 144.4 / 134.3 / 159.3 vs 144.2 / 137.6
-# / 159.8; K4 equal at 256 rows and 0.7-3 % slower at 512; 4 buffers paired 1.1-1.2x slower. Seventeenth session,
-# 4096×14336 / 14336×4096 at 256 / 512 rows: K5 0.945-0.983x, MUL1 K2.5 0.941-0.963x, K2 0.993-1.018x; against float64
-# on the H200 at 200 / 300 / 512 rows, K 2 / 3 / 5 (3INST) / 6 / 2.5 (MUL1) / 4: 1.8e-7 relative)
+# the same at K other than 4 and 8 (the lane decode's normalizing shift): two chunks per wgmma wait
 WGMMA_256_PAIR = WgmmaConfig(block_rows=256, stages=3, target_programs=256, pair=True)
-# 65-128 rows: 128 rows per program, ~512 programs (rows 128: 45.3 / 40.7 µs vs 53.8 / 48.3 at ~256 programs and
-# 52.1 / 49.8 with 4 buffers at ~1024; 256 rows per program 63-88); the overlapped loop is slower here (K4
-# 56.7-58.3 / 45.8-56.6 vs 45.5-45.7 / 40.9-41.1 with 3-5 buffers; K6 62.3 / 49.6 vs 48.2 / 46.5)
+# 65-128 rows: 128 rows per program, ~512 programs
 WGMMA_128 = WgmmaConfig(block_rows=128, stages=3, target_programs=512)
-# At K other than 4 and 8 the same paired (seventeenth session, 2026-12-02, same-process A/B, whole calls, one graph of
-# 32, rows 128 / 96, paired / landed: K3 0.943-0.952 on 4096×14336, 14336×4096, 8192×8192; MUL1 K2.5 0.929-0.933;
-# K6 0.980-0.989; K5 0.994-0.998; K2 1.000-1.014; K4 1.012-1.016, so not there; 2 buffers paired: mixed)
+# the same paired at K other than 4 and 8
 WGMMA_128_PAIR = replace(WGMMA_128, pair=True)
-# 33-64 rows: 64 rows per program, 4 buffers, ~1024 programs (rows 64: 36.0 / 44.7 µs at 4 splits; rows 48:
-# 37.9 / 34.8 µs vs 36.2 / 38.4 at ~2048 programs and 42.0 / 41.6 at ~4096; overlapped 37.3-37.8 / 37.6-38.5).
-# PDL (whole calls, same day, K4 / K6): rows 33 44.3-44.6 / 41.8-43.0 µs vs 46.1-46.6 / 42.9-44.5, rows 64
-# 47.7-48.7 / 42.6-44.5 vs 48.0-48.9 / 44.3-46.8; at 128 rows +4.4 µs on 4096×14336 (-2 on 14336×4096), 256
-# rows ±0.6, 512 rows +4.3-7.0: the early-launched next grid takes room from the multi-wave wgmma grid
-# Two chunks per wgmma wait with 3 buffers since 2026-12-02 (sixteenth session, whole calls, one graph of 32, three
-# shapes, K 3/4/6, rows 64: 3-9 % faster, e.g. 4096×14336 K4 39.3 vs 43.0 µs, 14336×4096 K6 38.2 vs 40.7, 8192×8192
-# K6 43.0 vs 46.5; 4 buffers paired within 1 %; at 128 rows per program paired -1.5 % on average, K4 up to +1 %: there
-# at K other than 4 and 8 since the seventeenth session, WGMMA_128_PAIR)
+# 33-64 rows: 64 rows per program, 3 buffers paired, ~1024 programs, programmatic dependent launch
 WGMMA_64 = WgmmaConfig(block_rows=64, stages=3, target_programs=1024, pdl=True, pair=True)
-# 17-32 rows: 32 rows per program, 3 buffers, ~1536 programs (H200, 2026-12-02, fifteenth session, whole calls,
-# one graph of 32 calls, three shapes, K 2-8, all codebooks: rows 32 K4 31.8 / 30.1 / 33.8 µs vs 42.0 / 40.0 /
-# 43.6 with the mma GEMV's two 16-row blocks, K6 35.1 / 33.4 / 37.0 vs 49.5 / 37.7 / 46.5; 64 rows per program
-# 42.7-53.7 at rows 32; ~512 / 768 / 1024 programs and 2 / 4 buffers within 1-10 % behind)
-# Both small-row buckets add their K splits into one buffer from 12 splits on (H200, 2026-12-02, sixteenth session,
-# whole calls, one graph of 32, two runs, every point at 12 / 23 splits faster: 14336×4096 rows 16 / 32 K3 28.3 /
-# 31.4 µs vs 28.9 / 32.2, K4 rows 32 29.2 vs 30.2, K6 30.0 / 32.9 vs 30.5 / 33.8; 8192×8192 K3 30.8 / 34.9 vs 31.0 /
-# 35.8, K4 32.9 vs 33.9, K6 32.5 / 35.9 vs 32.7 / 37.0; at 6 splits, 4096×14336, 0-3 % slower; at 64 rows mixed,
-# at 128 rows 1.2-1.4x slower: many rows per program make many adds)
+# the small-row buckets add their K splits into one buffer from this many splits on
 ATOMIC_MIN_SPLITS = 12
-# Two chunks per wgmma wait with 2 buffers since the seventeenth session (2026-12-02, same-process A/B, whole calls, one
-# graph of 32, rows 32 / 24, three shapes, K 2 / 2.5 MUL1 / 3 / 4 / 5 / 6: 0.936-0.998x the 3-buffer loop at every
-# point, K2 0.94-0.96, K4 0.97-0.99; paired with 3 buffers 0.99-1.06x)
+# 17-32 rows: 32 rows per program, 2 buffers paired, ~1536 programs
 WGMMA_32 = WgmmaConfig(block_rows=32, stages=2, target_programs=1536, pdl=True, pair=True,
                        atomic_min_splits=ATOMIC_MIN_SPLITS)
-# 9-16 rows (where linear.choose_path sends them here: K other than 1, 2, 4): 16 rows per program, 2 buffers,
-# ~1536 programs (same run, rows 16 K6 31.1 / 30.6 / 33.2 µs vs 32.8 / 32.7 / 36.0 with the mma GEMV; ~1024 /
-# 1280 / 2048 / 3072 programs, 3-4 buffers and the overlapped loop 0-10 % behind), two chunks per wgmma wait
-# (next run: K3 29.9 / 29.0 / 31.2 µs vs 30.2 / 29.6 / 32.3 one chunk per wait, K6 31.2 / 30.6 / 32.9 vs 31.2 /
-# 30.7 / 33.3; with 3-4 buffers slower; at 32 rows per program no gain with 3 buffers, 0.2-6.4 % with 2: WGMMA_32)
-# Where the splits stay below atomic_min_splits (each split stores partials), ~896 programs (H200, 2026-12-02,
-# seventeenth session, whole calls, one graph of 32, bf16 in the same run; µs at rows 16 / 12): 4096×14336 (4
-# splits instead of 6) K6 30.4-30.5 / 30.2 vs 31.0-31.1 / 30.3-30.4, K3 29.0 / 28.3-28.5 vs 29.6 / 29.0, K5
-# 30.3-30.4 / 30.2 vs 31.0 / 30.3-30.4; 3 / 2 splits 1.04-1.14x slower, 5 within 1 %. More splits into one
-# buffer were slower there (11 / 16 splits: K6 rows 16 32.7 / 34.1). 14336×4096 keeps 23 splits into one buffer
-# (14 were 1-2 % slower); 8192×8192 ran faster in 7 stored splits than in 12 into one buffer (K3 / K5 / K6 rows 16
-# 30.6 / 32.3 / 32.4 µs vs 31.0 / 32.8 / 32.7), hence one buffer at this bucket only from 16 splits; at 17-32 rows
-# fewer splits were mixed (4096×14336 4 splits -3 % … +1 %, 5 splits -1 … +3 %)
+# 9-16 rows (K other than 1, 2, 4): 16 rows per program, 2 buffers paired, ~1536 programs (~896 where the splits
+# store partials)
 WGMMA_16 = WgmmaConfig(block_rows=16, stages=2, target_programs=1536, pdl=True, pair=True,
                        atomic_min_splits=16, stored_target_programs=896)
 
@@ -164,8 +120,8 @@ def default_wgmma_config(rows: int, bits=4) -> WgmmaConfig:
     if rows <= 64:
         return WGMMA_64
     from .lane_decode import needs_shift
-    from .linear import _kernel_bits
-    paired = needs_shift(*_kernel_bits(bits))
+    from .common import kernel_bits
+    paired = needs_shift(*kernel_bits(bits))
     if rows <= 128:
         return WGMMA_128_PAIR if paired else WGMMA_128
     return WGMMA_256_PAIR if paired else WGMMA_256
@@ -228,7 +184,7 @@ if HAVE_GLUON:
         return r
 
     @gluon.jit
-    def _chunk_words(wb, off, kstride, m, idx, NWL: gl.constexpr):
+    def chunk_words(wb, off, kstride, m, idx, NWL: gl.constexpr):
         """The lane's raw words of the chunk's _KC k-tiles (``off``: the chunk's first k-tile, in words)."""
         out = ()
         for kt in gl.static_range(_KC):
@@ -268,7 +224,7 @@ if HAVE_GLUON:
         gl.inline_asm_elementwise(INSTR + " // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _refill(x_desc, xs, bars, st, m0, kt, more):
+    def refill_x(x_desc, xs, bars, st, m0, kt, more):
         """Buffer ``st`` is free: its next box (x' columns from k-tile ``kt``), if ``more``."""
         mbarrier.expect(bars.index(st), x_desc.block_type.nbytes, pred=more)
         _tma_load(x_desc, [m0, kt * 16], bars.index(st), xs.index(st), more)
@@ -284,24 +240,24 @@ if HAVE_GLUON:
         let the decode rewrite them — a race the sm_90 build test looks for in the SASS). A buffer is
         refilled once the wgmma reading it has retired."""
         a_ev = _a_operand(wc, rsh, xorc, TEXT, CONS, NWL, DOT)
-        wc = _chunk_words(wb, _KC * kstride, kstride, nchunks > 1, idx, NWL)
+        wc = chunk_words(wb, _KC * kstride, kstride, nchunks > 1, idx, NWL)
         for c2 in range(nchunks // 2):
             c = 2 * c2
             st = c % STAGES
             mbarrier.wait(bars.index(st), (c // STAGES) & 1)
             acc = warpgroup_mma(a_ev, xs.index(st).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))           # chunk c - 1 retired
-            _refill(x_desc, xs, bars, (c + STAGES - 1) % STAGES, m0, a0 + (c - 1 + STAGES) * _KC,
+            refill_x(x_desc, xs, bars, (c + STAGES - 1) % STAGES, m0, a0 + (c - 1 + STAGES) * _KC,
                     (c >= 1) & (c - 1 + STAGES < nchunks))
             a_od = _a_operand(wc, rsh, xorc, TEXT, CONS, NWL, DOT)
-            wc = _chunk_words(wb, (c + 2) * _KC * kstride, kstride, c + 2 < nchunks, idx, NWL)
+            wc = chunk_words(wb, (c + 2) * _KC * kstride, kstride, c + 2 < nchunks, idx, NWL)
             st = (c + 1) % STAGES
             mbarrier.wait(bars.index(st), ((c + 1) // STAGES) & 1)
             acc = warpgroup_mma(a_od, xs.index(st).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))           # chunk c retired
-            _refill(x_desc, xs, bars, c % STAGES, m0, a0 + (c + STAGES) * _KC, c + STAGES < nchunks)
+            refill_x(x_desc, xs, bars, c % STAGES, m0, a0 + (c + STAGES) * _KC, c + STAGES < nchunks)
             a_ev = _a_operand(wc, rsh, xorc, TEXT, CONS, NWL, DOT)
-            wc = _chunk_words(wb, (c + 3) * _KC * kstride, kstride, c + 3 < nchunks, idx, NWL)
+            wc = chunk_words(wb, (c + 3) * _KC * kstride, kstride, c + 3 < nchunks, idx, NWL)
         if nchunks % 2 == 1:                    # an odd count: the last chunk, decoded by the loop, alone
             c = nchunks - 1
             st = c % STAGES
@@ -317,13 +273,13 @@ if HAVE_GLUON:
         """The chunk loop that waits for each chunk's wgmma before decoding the next (the next chunk's words
         are loaded first); ``wc``: the first chunk's words."""
         for c in range(nchunks):
-            wn = _chunk_words(wb, (c + 1) * _KC * kstride, kstride, c + 1 < nchunks, idx, NWL)
+            wn = chunk_words(wb, (c + 1) * _KC * kstride, kstride, c + 1 < nchunks, idx, NWL)
             a = _a_operand(wc, rsh, xorc, TEXT, CONS, NWL, DOT)
             st = c % STAGES
             mbarrier.wait(bars.index(st), (c // STAGES) & 1)
             acc = warpgroup_mma(a, xs.index(st).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            _refill(x_desc, xs, bars, st, m0, a0 + (c + STAGES) * _KC, c + STAGES < nchunks)
+            refill_x(x_desc, xs, bars, st, m0, a0 + (c + STAGES) * _KC, c + STAGES < nchunks)
             wc = wn
         return acc
 
@@ -334,13 +290,13 @@ if HAVE_GLUON:
         """The waiting loop two chunks at a time (``WgmmaConfig.pair``, STAGES >= 2): both chunks decoded, both
         wgmmas issued, one wait for both, then both buffers refilled; an odd last chunk alone. ``wc``: the first
         chunk's words."""
-        wd = _chunk_words(wb, _KC * kstride, kstride, nchunks > 1, idx, NWL)
+        wd = chunk_words(wb, _KC * kstride, kstride, nchunks > 1, idx, NWL)
         for c2 in range(nchunks // 2):
             c = 2 * c2
             a_ev = _a_operand(wc, rsh, xorc, TEXT, CONS, NWL, DOT)
             a_od = _a_operand(wd, rsh, xorc, TEXT, CONS, NWL, DOT)
-            wc = _chunk_words(wb, (c + 2) * _KC * kstride, kstride, c + 2 < nchunks, idx, NWL)
-            wd = _chunk_words(wb, (c + 3) * _KC * kstride, kstride, c + 3 < nchunks, idx, NWL)
+            wc = chunk_words(wb, (c + 2) * _KC * kstride, kstride, c + 2 < nchunks, idx, NWL)
+            wd = chunk_words(wb, (c + 3) * _KC * kstride, kstride, c + 3 < nchunks, idx, NWL)
             st = c % STAGES
             mbarrier.wait(bars.index(st), (c // STAGES) & 1)
             acc = warpgroup_mma(a_ev, xs.index(st).permute((1, 0)), acc, is_async=True)
@@ -348,8 +304,8 @@ if HAVE_GLUON:
             mbarrier.wait(bars.index(st1), ((c + 1) // STAGES) & 1)
             acc = warpgroup_mma(a_od, xs.index(st1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            _refill(x_desc, xs, bars, st, m0, a0 + (c + STAGES) * _KC, c + STAGES < nchunks)
-            _refill(x_desc, xs, bars, st1, m0, a0 + (c + 1 + STAGES) * _KC, c + 1 + STAGES < nchunks)
+            refill_x(x_desc, xs, bars, st, m0, a0 + (c + STAGES) * _KC, c + STAGES < nchunks)
+            refill_x(x_desc, xs, bars, st1, m0, a0 + (c + 1 + STAGES) * _KC, c + 1 + STAGES < nchunks)
         if nchunks % 2 == 1:
             c = nchunks - 1
             a = _a_operand(wc, rsh, xorc, TEXT, CONS, NWL, DOT)
@@ -360,7 +316,7 @@ if HAVE_GLUON:
         return acc
 
     @gluon.jit
-    def _chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
+    def run_chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, m0, a0, idx, rsh, xorc,
                 TEXT: gl.constexpr, CONS: gl.constexpr, NWL: gl.constexpr, DOT: gl.constexpr,
                 STAGES: gl.constexpr, OVERLAP: gl.constexpr, PAIR: gl.constexpr = False):
         """``acc`` + the program's K range: x' boxes already requested for the first ``STAGES`` chunks."""
@@ -376,7 +332,7 @@ if HAVE_GLUON:
         return acc
 
     @gluon.jit
-    def _lanes(w_ptr, tile0, a0, n_tiles, one, KA: gl.constexpr, HALF: gl.constexpr, NWL: gl.constexpr):
+    def warp_lanes(w_ptr, tile0, a0, n_tiles, one, KA: gl.constexpr, HALF: gl.constexpr, NWL: gl.constexpr):
         """Per lane of the warpgroup (warp w: n-tile ``tile0 + w``): the pointers of its NWL words in the
         tile at k-tile ``a0`` (a tuple of 3; the third unused when NWL = 2), the k-tile stride in words, R
         (its normalizing shift), the MCG xor constant (a register operand) and the lane index tensor."""
@@ -414,7 +370,7 @@ if HAVE_GLUON:
         pid_k = gl.program_id(2)
         a0 = pid_k * k_per
         nchunks = (gl.minimum(a0 + k_per, k_tiles) - a0) // _KC
-        wb, kstride, rsh, xorc, idx = _lanes(w_ptr, pid_n * _WARPS, a0, n_tiles, one, KA, HALF, NWL)
+        wb, kstride, rsh, xorc, idx = warp_lanes(w_ptr, pid_n * _WARPS, a0, n_tiles, one, KA, HALF, NWL)
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_WARPS, 1],
                                                      instr_shape=[16, BR, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -426,12 +382,12 @@ if HAVE_GLUON:
         m0 = pid_m * BR
         t0 = pid_n * _WARPS
         mx = m0 + ((t0 >= seg_b1).to(gl.int32) + (t0 >= seg_b2).to(gl.int32)) * seg_rows   # x' row of m0
-        wc = _chunk_words(wb, 0, kstride, nchunks > 0, idx, NWL)
+        wc = chunk_words(wb, 0, kstride, nchunks > 0, idx, NWL)
         if PDL:
             _gdc("griddepcontrol.wait;")
         for s in gl.static_range(STAGES):
-            _refill(x_desc, xs, bars, s, mx, a0 + s * _KC, s < nchunks)
-        acc = _chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, mx, a0, idx, rsh, xorc,
+            refill_x(x_desc, xs, bars, s, mx, a0 + s * _KC, s < nchunks)
+        acc = run_chunks(acc, xs, bars, x_desc, wb, wc, kstride, nchunks, mx, a0, idx, rsh, xorc,
                       TEXT, CONS, NWL, DOT, STAGES, OVERLAP, PAIR)
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
@@ -446,9 +402,8 @@ if HAVE_GLUON:
 
 def padded_rows(rows: int, cfg: WgmmaConfig) -> int:
     """Rows of an x' buffer for ``rows`` rows under ``cfg``: a whole number of row blocks. A TMA box that reaches
-    past the end of x' (zero-filled by the hardware) makes the whole kernel up to ~2× slower (H200, 2026-12-02,
-    kernel alone, 4096×14336 K4: 129 rows 126.8 µs vs 58.9 with x' padded to 256 rows, 300 rows 211.5 vs
-    117.1); rows past ``rows`` are read, never stored."""
+    past the end of x' (zero-filled by the hardware) makes the whole kernel up to ~2× slower; rows past ``rows``
+    are read, never stored."""
     return math.ceil(rows / cfg.block_rows) * cfg.block_rows
 
 
@@ -488,7 +443,7 @@ def wgmma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: O
     # specializes on it): a prewarm at one row count of the bucket covers every other
     splits, k_per, atomic = launch_splits(k_tiles, n_tiles, cfg)
     z = split_buffer("wgmma_rotated", acc, atomic, splits, rows, n_tiles * 16, xh.device, alloc)
-    desc = TensorDescriptor.from_tensor(xh, [cfg.block_rows, KC * 16], _x_layout(cfg.block_rows))
+    desc = TensorDescriptor.from_tensor(xh, [cfg.block_rows, KC * 16], x_layout(cfg.block_rows))
     extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
     if pdl:
         extra["launch_pdl"] = True
@@ -504,9 +459,9 @@ def kernel_constants(bits, codebook: str, cfg: WgmmaConfig, pdl: bool = False, a
     """The compile-time arguments of ``_wgmma_kernel`` for K = ``bits``, ``codebook`` and ``cfg`` (PDL and
     ATOMIC only when set: the kernel's defaults)."""
     from .lane_decode import lane_decode_ptx, lane_span_words
-    from .linear import _cb_args, _kernel_bits
-    ka, half = _kernel_bits(bits)
-    text, cons, _ = lane_decode_ptx(ka, half, *_cb_args(codebook))
+    from .common import cb_args, kernel_bits
+    ka, half = kernel_bits(bits)
+    text, cons, _ = lane_decode_ptx(ka, half, *cb_args(codebook))
     out = dict(KA=ka, HALF=half, NWL=lane_span_words(ka, half), TEXT=text, CONS=cons, BR=cfg.block_rows,
                STAGES=cfg.stages, OVERLAP=cfg.overlap, PAIR=cfg.pair)
     if pdl:
@@ -517,7 +472,7 @@ def kernel_constants(bits, codebook: str, cfg: WgmmaConfig, pdl: bool = False, a
 
 
 @lru_cache(maxsize=None)
-def _x_layout(block_rows: int):
+def x_layout(block_rows: int):
     return gl.NVMMASharedLayout.get_default_for([block_rows, KC * 16], gl.float16)
 
 

@@ -143,13 +143,7 @@ def auto_prefill_block_m(geometry: LayerGeometry, facts: DeviceFacts, capacity: 
     routes, 32 below 32,
     64 below 64, else 128 where the wgmma tiered launch runs (``facts.wgmma``) and 64 elsewhere. The block
     just above the average count holds most experts' routes in one block: each weight tile is decoded once
-    per expert instead of twice, for some padding. H200, 2026-12-01 (tenth session), hidden 6144, 256 experts
-    top-8 (routes per expert = rows / 32), graph-timed calls, µs for blocks 32 / 64 / 128 (64 and 128 on
-    the wgmma launch): I 2048 at 512 rows 3946 / 4789 / 6280, 768 rows 4396 / 4917 / 6386, 1024 rows
-    5869¹ / 5021 / 6489, 1536 rows 7919 / 5275 / 6640, 2048 rows – / 7386 / 6849, 3072 rows 13797 / 10160 /
-    7560; I 512 at 1024 rows 2027¹ / 1759 / 2294, 1536 2632 / 1914 / 2415, 2048 – / 2579 / 2547, 3072
-    4524 / 3409 / 2939 (¹ ninth session's full run). Without the wgmma launch blocks 32 and 64 tie at 32
-    routes per expert (mma launch, 1024 rows: 5818 / 5803 µs).
+    per expert instead of twice, for some padding (the measured crossovers: docs/moe.md, "Tuned constants").
     """
     routes_per_expert = capacity * geometry.top_k / geometry.num_experts
     if routes_per_expert < TINY_PREFILL_BLOCK_M:

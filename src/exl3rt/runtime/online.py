@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from ..convert.run import module_seed
+from ..cache.key import module_seed
 from ..format.bits import Bits
 from ..format.encoded import EncodedLinear
 from .config import Exl3Config

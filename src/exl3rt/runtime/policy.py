@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import torch
 from torch import nn
 
-from ..convert.plan import _EMBED, _ROUTER, HEAD
+from ..util.names import EMBED_NAME, HEAD, ROUTER_NAME
 from ..format.bits import Bits
 from .config import Exl3Config, Exl3ConfigError
 
@@ -146,11 +146,11 @@ class ExpertsTarget:
 
 
 def is_embedding_name(name: str) -> bool:
-    return bool(_EMBED.search(name))
+    return bool(EMBED_NAME.search(name))
 
 
 def is_router_name(name: str) -> bool:
-    return bool(_ROUTER.search(name) or _ROUTER_EXTRA.search(name))
+    return bool(ROUTER_NAME.search(name) or _ROUTER_EXTRA.search(name))
 
 
 def _head_names(model: nn.Module) -> set[str]:

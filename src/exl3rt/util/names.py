@@ -11,6 +11,13 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+#: the output head's module name in Hugging Face causal-LM models
+HEAD = "lm_head"
+#: token/position embeddings (never quantized as linears)
+EMBED_NAME = re.compile(r"(^|\.)(embed[a-z_]*|wte|wpe)(\.|$)")
+#: MoE routers (kept dense: tiny, and their logits pick the experts)
+ROUTER_NAME = re.compile(r"(^|\.)(gate|router)$")
+
 #: the longest accepted name: with ``.safetensors`` and a temporary's affixes it stays below 255 bytes
 MAX_NAME = 200
 

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from ...convert.plan import HEAD
+from ...util.names import HEAD
 from ...runtime.config import Exl3Config
 from ...runtime.policy import is_embedding_name, is_router_name
 from ._compat import (LinearBase, ParallelLMHead, QuantizationConfig, QuantizeMethodBase, RoutedExperts,
@@ -183,12 +183,12 @@ class Exl3VllmConfig(QuantizationConfig):
 
     def _online_moe_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
         from .experts import GATED, UNGATED, activation, expert_bits
-        from .moe_method import Exl3OnlineMoEMethod, _activation_name
+        from .moe_method import Exl3OnlineMoEMethod, activation_name
 
         cfg = self.online
         assert cfg is not None
         moe = layer.moe_config
-        gated, _ = activation(_activation_name(moe), prefix)
+        gated, _ = activation(activation_name(moe), prefix)
         bits = expert_bits(cfg, prefix, int(moe.num_logical_experts), GATED if gated else UNGATED)
         if bits is None:
             return None  # ignored: vLLM's unquantized fused-MoE method
@@ -196,10 +196,10 @@ class Exl3VllmConfig(QuantizationConfig):
 
     def _checkpoint_moe_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
         from .experts import GATED, UNGATED, activation
-        from .moe_method import Exl3CheckpointMoEMethod, _activation_name
+        from .moe_method import Exl3CheckpointMoEMethod, activation_name
 
         moe = layer.moe_config
-        gated, _ = activation(_activation_name(moe), prefix)
+        gated, _ = activation(activation_name(moe), prefix)
         projs = GATED if gated else UNGATED
         moe_prefix = prefix[: -len(".experts")] if prefix.endswith(".experts") else None
         if self.rank_meta is not None and moe_prefix is not None and self.hf_name(moe_prefix) in self.rank_meta.layers:

@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("exl3rt.vllm")
 
 
-def _activation_name(moe: Any) -> str:
+def activation_name(moe: Any) -> str:
+    """The name of a vLLM MoE layer's activation (``"silu"`` when it names none)."""
     act = getattr(moe, "activation", "silu")
     return str(getattr(act, "value", act))
 
@@ -57,7 +58,7 @@ class Exl3MoEMethodBase(FusedMoEMethodBase):
         super().__init__(moe)
         self.quant_config = quant_config
         self.prefix = prefix
-        self.act_name = _activation_name(moe)
+        self.act_name = activation_name(moe)
         gated, _ = activation(self.act_name, prefix)
         self.projs = GATED if gated else UNGATED
         if getattr(moe, "has_bias", False):
@@ -241,4 +242,4 @@ _FIELD_DTYPES = {"trellis": torch.int16, "suh": torch.float16, "svh": torch.floa
                  "sv": torch.int16, "mcg": torch.int32, "mul1": torch.int32}
 
 
-__all__ = ["Exl3CheckpointMoEMethod", "Exl3MoEMethodBase", "Exl3OnlineMoEMethod"]
+__all__ = ["Exl3CheckpointMoEMethod", "Exl3MoEMethodBase", "Exl3OnlineMoEMethod", "activation_name"]
