@@ -171,3 +171,15 @@ def test_env_bits_follow_normalize_bits():
             got = env.VLLM_BITS.get({"EXL3RT_VLLM_BITS": raw})
             assert got == want and type(got) is type(want), raw
     assert {env.VLLM_BITS.get({"EXL3RT_VLLM_BITS": str(k)}) for k in ALL_BITS} == set(ALL_BITS)
+
+
+def test_inspect_without_transformers_lists_the_codes_and_says_what_it_did_not_check(tmp_path, capsys, monkeypatch):
+    """The base install has no transformers: inspect still lists the codes and totals, and says the load plan needs
+    exl3rt[hf] instead of failing."""
+    out = tmp_path / "ex"
+    assert main(["example", str(out)]) == 0
+    capsys.readouterr()
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)     # import transformers -> ImportError
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "not checked: transformers is not installed" in text and "exl3rt[hf]" in text and "bpw" in text

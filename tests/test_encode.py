@@ -236,7 +236,10 @@ def test_ordinary_weights_encode_as_before():
             (3, "mcg", True): ("f29bcc2e6af9cb83", 0.01536846048577417, 0.9286875126925886)}
     for (bits, cb, cal), (digest, err, g_scale) in want.items():
         enc = quantize_weight(w, bits, cb, hessian=h if cal else None, seed=3, backend="numba")
-        assert (_digest(enc), enc.info["proxy_err"], enc.info["g_scale"]) == (digest, err, g_scale), (bits, cb, cal)
+        # the codes bit for bit; the two float summaries to 1e-6 (BLAS kernels round differently on other CPUs)
+        assert _digest(enc) == digest, (bits, cb, cal)
+        assert enc.info["proxy_err"] == pytest.approx(err, rel=1e-6) and \
+            enc.info["g_scale"] == pytest.approx(g_scale, rel=1e-6), (bits, cb, cal)
 
 
 @pytest.mark.parametrize("bits,codebook,calibrated", [(2, "mcg", False), (4, "mcg", False), (2.5, "mul1", False),

