@@ -62,3 +62,16 @@ def _fresh_kernel_plans():
     linear = sys.modules.get("exl3rt.kernels.linear")
     if linear is not None:
         linear.reset_plans()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_encoding_cache(tmp_path_factory):
+    """Encoding caches of the tests live under the session's temporary folder, never in the user's
+    ~/.cache/exl3rt (tests that care about the cache's place set their own root)."""
+    if os.environ.get("EXL3RT_CACHE_DIR"):
+        yield
+        return
+    mp = pytest.MonkeyPatch()
+    mp.setenv("EXL3RT_CACHE_DIR", str(tmp_path_factory.mktemp("exl3rt-cache")))
+    yield
+    mp.undo()

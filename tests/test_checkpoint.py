@@ -199,3 +199,46 @@ def test_views_are_stored_compactly(tmp_path):
     out = write_checkpoint(tmp_path / "v", {"p": random_linear(128, 128, 2, seed=0)}, {"t": big[10:20]})
     assert torch.equal(Exl3Checkpoint(out).tensor("t"), big[10:20])
     assert isinstance(Exl3Checkpoint(out).load_linear("p"), EncodedLinear)
+
+
+def test_model_card_and_stored_bits_per_weight(written):
+    """The checkpoint records what its quantized linears really store per weight (codes, scales, biases, codebook
+    markers: summed here from the stored tensors themselves) and carries a model card with K per module, layer
+    indices folded."""
+    from safetensors import safe_open
+
+    out, lins = written
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    bits = weights = 0
+    for f in out.glob("model-*.safetensors"):
+        with safe_open(str(f), "pt") as s:
+            for k in s.keys():
+                name, _, part = k.rpartition(".")
+                if name in lins:
+                    t = s.get_tensor(k)
+                    bits += t.numel() * t.element_size() * 8
+    weights = sum(lin.trellis.shape[0] * lin.trellis.shape[1] * 256 for lin in lins.values())
+    assert qc["bpw"] == pytest.approx(bits / weights, abs=1e-4) and qc["bpw"] > qc["bits"]
+    card = (out / "README.md").read_text()
+    assert card.startswith("<!-- written by exl3rt -->") and f"| {qc['bpw']} |" in card
+    assert "| `model.layers.*.mlp.up_proj` | K" in card and "| architecture | LlamaForCausalLM |" in card
+    assert "Original model card" not in card
+
+
+def test_model_card_keeps_a_carried_readme_and_replaces_its_own(tmp_path):
+    lins = {"model.layers.0.mlp.up_proj": random_linear(128, 256, 3, seed=1)}
+    out = tmp_path / "ck"
+    out.mkdir()
+    (out / "README.md").write_text("# The source model\n\nIts own words.\n")
+    with CheckpointWriter(out) as w:
+        w.add_linear("model.layers.0.mlp.up_proj", lins["model.layers.0.mlp.up_proj"])
+        w.finish({"architectures": ["LlamaForCausalLM"]}, source="org/source-model")
+    card = (out / "README.md").read_text()
+    assert "base_model: org/source-model" in card and "from `org/source-model`" in card
+    assert card.endswith("## Original model card\n\n# The source model\n\nIts own words.\n")
+    # written again over itself (as an overwrite does): the original stays once, our card is not stacked
+    with CheckpointWriter(out, overwrite=True) as w:
+        w.add_linear("model.layers.0.mlp.up_proj", lins["model.layers.0.mlp.up_proj"])
+        w.finish({"architectures": ["LlamaForCausalLM"]}, source="org/source-model")
+    again = (out / "README.md").read_text()
+    assert again.count("<!-- written by exl3rt -->") == 1

@@ -16,6 +16,13 @@ from exl3rt.format import Exl3Checkpoint  # noqa: E402
 from tiny_models import calibration_text, nonfinite_copy, tiny_llama, tiny_qwen_moe  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _no_encoding_cache(monkeypatch):
+    """These tests are about the converter's own work (resumption, crashes, refusals): every layer encoded, no cache
+    read (the cache path has its own test)."""
+    monkeypatch.setenv("EXL3RT_CACHE_MODE", "off")
+
+
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
     return tiny_llama(tmp_path_factory.mktemp("src") / "tiny-llama")
@@ -214,3 +221,26 @@ def test_side_files_are_the_non_weight_files(tmp_path):
     got = [p.name for p in run_mod.side_files(tmp_path)]
     assert got == ["README.md", "chat_template.jinja", "generation_config.json", "merges.txt",
                    "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_quantize_reads_and_publishes_through_the_encoding_cache(src, tmp_path, capsys, monkeypatch):
+    """With the cache on, a second conversion of the same model reads every layer (nothing encoded) and writes the
+    same codes; the keys are those of online quantization, so quantize_model on the same weights encodes nothing."""
+    import exl3rt
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.delenv("EXL3RT_CACHE_MODE")
+    cache = tmp_path / "cache"
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["quantize", str(src), str(a), "--bits", "3", "--cache-dir", str(cache), "--quiet"]) == 0
+    assert "(15 encoded, 0 from the encoding cache" in capsys.readouterr().out
+    assert main(["quantize", str(src), str(b), "--bits", "3", "--cache-dir", str(cache), "--quiet"]) == 0
+    assert "(0 encoded, 15 from the encoding cache" in capsys.readouterr().out
+    ca, cb = Exl3Checkpoint(a), Exl3Checkpoint(b)
+    for li in ca.linears():
+        x, y = ca.load_linear(li.name), cb.load_linear(li.name)
+        assert torch.equal(x.trellis, y.trellis) and torch.equal(x.suh, y.suh) and torch.equal(x.svh, y.svh)
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    summary = exl3rt.quantize_model(model, exl3rt.Exl3Config(bits=3, cache_dir=str(cache), progress=False),
+                                    progress=False)
+    assert summary["misses"] == 0 and summary["hits"] == 14       # every decoder linear (the head stays dense)

@@ -21,6 +21,13 @@ import crash_points  # noqa: E402
 from tiny_models import tiny_llama  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _no_encoding_cache(monkeypatch):
+    """These tests are about the converter's own work (resumption, crashes, refusals): every layer encoded, no cache
+    read (the cache path has its own test)."""
+    monkeypatch.setenv("EXL3RT_CACHE_MODE", "off")
+
+
 def snapshot(root):
     """Every path below ``root`` with its bytes (files) or None (directories)."""
     return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}

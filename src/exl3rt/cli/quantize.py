@@ -54,12 +54,24 @@ def add_parser(sub: Any) -> None:
                    help="Viterbi backend (default auto: triton on CUDA, numba on CPU)")
     p.add_argument("--device", default="cpu", help="device for the encoder, e.g. cuda (default cpu)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint or unfinished conversion in OUT")
+    p.add_argument("--cache-mode", choices=("readwrite", "readonly", "off", "rw", "read-only", "none"),
+                   help="encoding cache: layers it holds are read, not encoded (default: EXL3RT_CACHE_MODE or "
+                        "readwrite; the keys are those of online quantization)")
+    p.add_argument("--cache-dir", metavar="DIR", help="encoding cache root (default: EXL3RT_CACHE_DIR or ~/.cache/exl3rt)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
 
 def _bits(x: float) -> Any:
     return int(x) if float(x).is_integer() else x
+
+
+def _cache(args: argparse.Namespace) -> Any:
+    """The encoding cache of ``--cache-mode`` / ``--cache-dir`` (None when off)."""
+    from ..cache import CacheMode, EncodingCache, parse_cache_mode
+
+    mode = parse_cache_mode(args.cache_mode)
+    return None if mode == CacheMode.OFF else EncodingCache(root=args.cache_dir, mode=mode)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,11 +93,11 @@ def run(args: argparse.Namespace) -> int:
         args.src, args.out, bits=_bits(args.bits), codebook=args.codebook, head_bits=_bits(args.head_bits),
         seed=args.seed, keep=tuple(args.keep), overrides=tuple(parse_overrides(args.bits_for)),
         hessians=hessians, calibration_id=calib_id, backend=args.backend, device=args.device,
-        overwrite=args.overwrite, progress=not args.quiet,
+        overwrite=args.overwrite, progress=not args.quiet, cache=_cache(args),
     )
     err = summary["mean_proxy_err"]
     print(f"wrote {summary['out']}: {summary['linears']} linears ({summary['encoded']} encoded, "
-          f"{summary['reused']} resumed), {summary['weights']:,} weights in {summary['seconds']:.1f} s"
+          f"{summary['cache_hits']} from the encoding cache, {summary['reused']} resumed), {summary['weights']:,} weights in {summary['seconds']:.1f} s"
           + (f", mean proxy error {err:.2e}" if err is not None else "")
           + (f"; copied {', '.join(summary['copied'])}" if summary["copied"] else ""))
     print(f"next: exl3rt inspect {summary['out']}")

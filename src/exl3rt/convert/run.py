@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -146,16 +147,25 @@ def _sweep(out: Path, work: Path) -> None:
             part.unlink()
 
 
+def source_name(config: dict[str, Any], path: Path) -> str:
+    """What a model card names as the source: the config's Hub name where it has one, else the directory's name
+    (never a local absolute path)."""
+    name = str(config.get("_name_or_path") or "")
+    return name if name and not os.path.isabs(name) and not name.startswith(".") else Path(path).name
+
+
 def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codebook: str = "mcg", head_bits=6,
                        seed: int = 0, keep: tuple[str, ...] = (), overrides: tuple = (),
                        hessians: Optional[Callable[[str], Optional[torch.Tensor]]] = None,
                        calibration_id: Optional[str] = None, backend: str = "auto",
                        device: str | torch.device = "cpu", overwrite: bool = False, progress: bool = True,
-                       max_shard_bytes: Optional[int] = None) -> dict[str, Any]:
+                       max_shard_bytes: Optional[int] = None, cache: Any = None) -> dict[str, Any]:
     """Convert the HF checkpoint at ``src_path`` to EXL3 in ``out``; returns a summary dict.
 
     ``hessians(name)`` gives a layer's ``XᵀX/n`` (calibrated mode) or None; ``calibration_id``
-    identifies that data for resumption.
+    identifies that data for resumption. ``cache`` (an :class:`~exl3rt.cache.EncodingCache`): each layer is
+    read from it when it holds the layer's encoding, else encoded and published — the keys are those of online
+    quantization, so a model encoded either way is a read for the other.
     """
     t0 = time.perf_counter()
     src = TensorFiles(src_path)
@@ -178,7 +188,7 @@ def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codeboo
         return _convert_locked(src, out, plan, record, digest, made_out=made_out, made_work=made_work,
                                overwrite=overwrite, seed=seed, hessians=hessians, calibration_id=calibration_id,
                                backend=backend, device=device, progress=progress,
-                               max_shard_bytes=max_shard_bytes, t0=t0, lock=lock)
+                               max_shard_bytes=max_shard_bytes, t0=t0, lock=lock, cache=cache)
     finally:
         lock.release()
 
@@ -211,7 +221,7 @@ def _convert_locked(src: TensorFiles, out: Path, plan: ConversionPlan, record: d
                     made_out: bool, made_work: bool, overwrite: bool, seed: int,
                     hessians: Optional[Callable[[str], Optional[torch.Tensor]]], calibration_id: Optional[str],
                     backend: str, device: str | torch.device, progress: bool, max_shard_bytes: Optional[int],
-                    t0: float, lock: filelock.BaseFileLock) -> dict[str, Any]:
+                    t0: float, lock: filelock.BaseFileLock, cache: Any = None) -> dict[str, Any]:
     work = out / WORK_DIR
     layers_dir = work / "layers"
     job_file = work / JOB_NAME
@@ -238,7 +248,7 @@ def _convert_locked(src: TensorFiles, out: Path, plan: ConversionPlan, record: d
     layers_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(job_file, json.dumps(record, indent=2, sort_keys=True) + "\n")
 
-    encoded, reused, errs = 0, 0, []
+    encoded, reused, hits, errs = 0, 0, 0, []
     padded = {j.name: padded_width(j.in_features) * padded_width(j.out_features) for j in plan.linears}
     bar = Progress(sum(padded.values()), "encoding", unit="w", enabled=progress)
     for job in plan.linears:
@@ -250,10 +260,23 @@ def _convert_locked(src: TensorFiles, out: Path, plan: ConversionPlan, record: d
         else:
             w, bias = _source_weight(src, job)
             h = hessians(job.name) if hessians else None
+
+            def encode(w=w, h=h, job=job):
+                return quantize_weight(w.to(device), job.bits, job.codebook, hessian=h,
+                                       seed=module_seed(job.name, seed), backend=backend, name=job.name,
+                                       progress=lambda tiles: bar.update(256 * tiles))
             try:
-                lin = quantize_weight(w.to(device), job.bits, job.codebook, hessian=h,
-                                      seed=module_seed(job.name, seed), backend=backend, name=job.name,
-                                      progress=lambda tiles: bar.update(256 * tiles))
+                if cache is None:
+                    lin = encode()
+                else:       # the online path's key: the HF [out, in] weight's bytes as stored
+                    key = cache.key_for_weight(src.tensor(job.weight), bits=job.bits, codebook=job.codebook,
+                                               seed=module_seed(job.name, seed), hessian=h, tp_size=1, tp_rank=0,
+                                               tp_bounds=None, out_scales=True)
+                    res = cache.load_or_encode(key, encode, device="cpu", name=job.name)
+                    lin = res.encoded
+                    if res.hit:
+                        hits += 1
+                        bar.update(padded[job.name])
             except EncodeError:
                 bar.close()
                 if made_out or made_work:   # a resumed run's earlier work stays as it was
@@ -298,9 +321,10 @@ def _convert_locked(src: TensorFiles, out: Path, plan: ConversionPlan, record: d
             copied.append(side.name)
         config = dict(src.config)
         qfields = {"calibration": {"id": calibration_id} if calibration_id else None, "seed": seed}
-        writer.finish(config, quantization_config=qfields)
+        writer.finish(config, quantization_config=qfields, source=source_name(config, src.root))
     _remove_work(work)
     finite = [e for e in errs if e == e]
-    return {"out": str(out), "linears": len(plan.linears), "encoded": encoded, "reused": reused, "copied": copied,
+    return {"out": str(out), "linears": len(plan.linears), "encoded": encoded - hits, "cache_hits": hits,
+            "reused": reused, "copied": copied,
             "weights": plan.total_weights, "seconds": time.perf_counter() - t0,
             "mean_proxy_err": sum(finite) / len(finite) if finite else None}

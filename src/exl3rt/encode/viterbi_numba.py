@@ -505,9 +505,16 @@ def _named_setup(codebook: str, bits_key: int):
 
 
 def _default_threads() -> int:
+    """numba's thread count, capped by the cores this process may run on now (a server may pin its workers after
+    numba read the machine's count)."""
     import numba
 
-    return int(numba.get_num_threads())
+    n = int(numba.get_num_threads())
+    try:
+        n = min(n, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):     # no affinity API (macOS)
+        pass
+    return max(1, n)
 
 
 #: pairs of tiles per work item: threads take items from a shared queue (a core slowed by other

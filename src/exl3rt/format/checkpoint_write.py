@@ -105,7 +105,8 @@ class CheckpointWriter:
         """The ``quantization_config`` block for config.json, derived from the linears written.
 
         ``bits`` is the average K over all linears except ``head_name`` (rounded to 2 places, as
-        exllamav3 reports it); ``head_bits`` is the head's K (16 = stored unquantized).
+        exllamav3 reports it); ``head_bits`` is the head's K (16 = stored unquantized); ``bpw`` is what every
+        quantized linear (the head included) really stores per weight: its codes, scales, bias and marker.
         """
         body = {k: v for k, v in self._linears.items() if k != head_name}
         weights = sum(_tile_count(v[2]) * 256 for v in body.values())
@@ -119,15 +120,21 @@ class CheckpointWriter:
             "head_bits": self._linears[head_name][0] if head_name in self._linears else 16,
             "codebook": codebooks[0] if len(codebooks) == 1 else "mixed",
         }
+        stored = sum(_storage_bits(v[2]) for v in self._linears.values())
+        total = sum(_tile_count(v[2]) * 256 for v in self._linears.values())
+        qc["bpw"] = round(stored / total, 4) if total else 0.0
         qc.update(fields)
         return qc
 
     def finish(self, config: Optional[dict[str, Any]] = None, *, quantization_config: Optional[dict[str, Any]] = None,
-               head_name: str = "lm_head") -> Path:
-        """Name the shards, write the index, ``quantization_config.json`` and ``config.json``; return the directory.
+               head_name: str = "lm_head", source: Optional[str] = None) -> Path:
+        """Name the shards, write the index, ``quantization_config.json``, the model card and ``config.json``;
+        return the directory.
 
         ``config`` is the model's Hugging Face config (architectures, sizes, …); its
-        ``quantization_config`` is replaced by ours (fields in ``quantization_config`` override).
+        ``quantization_config`` is replaced by ours (fields in ``quantization_config`` override). The model card
+        (``README.md``, :func:`model_card`) names ``source``; a README already in the directory (the source's,
+        carried over) follows it under "Original model card".
         """
         self._flush()
         self._finished = True
@@ -154,6 +161,15 @@ class CheckpointWriter:
             for name, (bits, cb, storage) in self._linears.items()
         }
         atomic_write_text(self.out_dir / QCONFIG_NAME, json.dumps(side, indent=2) + "\n")
+        readme = self.out_dir / "README.md"
+        original = readme.read_text(errors="replace") if readme.is_file() and not readme.is_symlink() else None
+        if original is not None and original.startswith(CARD_MARK):
+            original = None                 # our own card from an earlier write: replaced
+        card = model_card(qc, {k: (v[0], v[1], _tile_count(v[2]) * 256) for k, v in self._linears.items()},
+                          source=source, architecture=(config or {}).get("architectures", [None])[0])
+        if original:
+            card += "\n---\n\n## Original model card\n\n" + original
+        atomic_write_text(readme, card)
         cfg = dict(config or {})
         cfg["quantization_config"] = qc
         if head_name in self._linears:
@@ -180,6 +196,57 @@ class CheckpointWriter:
 def _tile_count(storage: dict[str, Any]) -> int:
     shape = storage["trellis"]["shape"]
     return int(shape[0]) * int(shape[1])
+
+
+def _storage_bits(storage: dict[str, Any]) -> int:
+    bits = 0
+    for t in storage.values():
+        n = 1
+        for d in t["shape"]:
+            n *= int(d)
+        bits += n * torch.empty(0, dtype=getattr(torch, t["torch_dtype"])).element_size() * 8
+    return bits
+
+
+CARD_MARK = "<!-- written by exl3rt -->"
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
+def model_card(qc: dict[str, Any], linears: dict[str, tuple], *, source: Optional[str] = None,
+               architecture: Optional[str] = None) -> str:
+    """A Hugging Face model card (markdown) for an EXL3 checkpoint: the source, the exl3rt version, the codebook,
+    the average K and bits per weight, and K per module (layer and expert indices folded: ``model.layers.*.mlp.
+    down_proj``). ``linears``: name -> (K, codebook, weights)."""
+    groups: dict[str, dict[Any, list[int]]] = {}
+    for name, (k, _, n) in linears.items():
+        g = groups.setdefault(_INDEX.sub(".*", name), {})
+        g.setdefault(k, [0, 0])
+        g[k][0] += 1
+        g[k][1] += n
+    rows = []
+    for pattern in sorted(groups):
+        ks = ", ".join(f"K{k:g}: {c} ({w / 1e6:.1f} M weights)" for k, (c, w) in
+                       sorted(groups[pattern].items(), key=lambda kv: float(kv[0])))
+        rows.append(f"| `{pattern}` | {ks} |")
+    head = qc.get("head_bits", 16)
+    lines = [CARD_MARK, "---", "tags:", "- exl3", "- exl3rt", "- quantized"]
+    if source:
+        lines.append(f"base_model: {source}")
+    lines += ["---", "", f"# {Path(str(source)).name if source else 'EXL3 model'} — EXL3 {qc.get('bits')} bits", "",
+              f"EXL3 trellis codes (the ExLlamaV3 format) written by exl3rt {qc.get('version')}"
+              + (f" from `{source}`" if source else "") + ".", "",
+              "| | |", "|---|---|",
+              *([f"| architecture | {architecture} |"] if architecture else []),
+              f"| average K (bits per weight of the codes, head excluded) | {qc.get('bits')} |",
+              f"| bits per weight stored (codes, scales, biases of every quantized linear) | {qc.get('bpw')} |",
+              f"| head | {'unquantized' if head == 16 else f'K{head:g}'} |",
+              f"| codebook | {qc.get('codebook')} |",
+              f"| quantized linears | {len(linears)} |", "",
+              "K per module (per-tensor detail in `quantization_config.json`):", "",
+              "| module | K |", "|---|---|", *rows, "",
+              "Runs in exllamav3, in transformers through exl3rt (`import exl3rt.integrations.transformers`, then "
+              "`from_pretrained`) and in vLLM with the exl3rt plugin (`--quantization exl3`).", ""]
+    return "\n".join(lines)
 
 
 def write_checkpoint(out_dir: str | os.PathLike[str], linears: dict[str, EncodedLinear],

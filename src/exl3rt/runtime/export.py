@@ -92,4 +92,6 @@ def save_exl3(model: nn.Module, out_dir: str | os.PathLike[str], *, max_shard_by
         for key, t in plain.items():
             w.add_tensor(key, t)
             bar.update()
-        return w.finish(body, head_name=head)
+        name = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+        source = (os.path.basename(name.rstrip("/")) if os.path.isabs(name) else name) or None
+        return w.finish(body, head_name=head, source=source)

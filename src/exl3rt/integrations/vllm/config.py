@@ -45,6 +45,7 @@ class Exl3VllmConfig(QuantizationConfig):
         self.model_dir: Optional[str] = None   # the checkpoint directory (checkpoint mode, local dirs)
         self.rank_meta = None                   # exl3rt.moe.rank_checkpoint.RankMetadata of a rank-sliced checkpoint
         self._encoder = None
+        self._progress = None        # LogProgress of this process's online encoding
         self._moe_cache = None
         self._rank_layers: Optional[dict[str, Any]] = None  # this rank's layers of a rank-sliced checkpoint
         self._stored_hf: Optional[set[str]] = None   # ``stored`` as the checkpoint names it (apply_vllm_mapper)
@@ -58,6 +59,7 @@ class Exl3VllmConfig(QuantizationConfig):
         state["_rank_layers"] = None
         state["moe_warmed"] = set()
         state["linear_warmed"] = set()
+        state["_progress"] = None
         state.pop("_exl3rt_moe_scope", None)  # exl3rt.moe owner token: per process
         return state
 
@@ -274,6 +276,22 @@ class Exl3VllmConfig(QuantizationConfig):
             assert self.online is not None, "online encoder requested in checkpoint mode"
             self._encoder = OnlineEncoder(self.online)
         return self._encoder
+
+    def plan_encoding(self, n_weights: int) -> None:
+        """A layer made for online encoding: ``n_weights`` more to encode once its weights load."""
+        self._load_progress().plan(n_weights)
+
+    def encoded(self, n_weights: int, prefix: str) -> None:
+        """``n_weights`` encoded (or read from the cache) for layer ``prefix``: a log line with the ETA every few
+        seconds (vLLM shows no progress of its own while a layer is processed)."""
+        self._load_progress().update(n_weights, prefix)
+
+    def _load_progress(self):
+        if getattr(self, "_progress", None) is None:
+            from ...util.progress import LogProgress, visible_logger
+            self._progress = LogProgress(visible_logger("exl3rt.vllm.progress"), "exl3rt: online EXL3 encoding",
+                                         unit=" weights")
+        return self._progress
 
     # ---- MoE ----------------------------------------------------------------------------------------
     def moe_cache(self):

@@ -137,6 +137,7 @@ class Exl3OnlineMoEMethod(Exl3MoEMethodBase):
         layer.register_parameter("w2_weight", w2)
         set_weight_attrs(w2, attrs)
         initialize_online_processing(layer)
+        self.quant_config.plan_encoding(w13.numel() + w2.numel())
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if getattr(layer, "_already_called_process_weights_after_loading", False):
@@ -163,6 +164,7 @@ class Exl3OnlineMoEMethod(Exl3MoEMethodBase):
                 enc = encoder.encode(name, pieces[p], self.bits[e][p], device=w13.device, tp=sl.tp(p))
                 ex[p] = Exl3Linear.from_encoded(enc, name=name, dequant_cache=cfg.online.dequant_cache)
             linears.append(ex)
+        cfg.encoded(w13.numel() + w2.numel(), self.prefix)
         self.install(layer, linears)
         for pname in ("w13_weight", "w2_weight"):
             setattr(layer, pname, nn.Parameter(torch.empty(0, dtype=w13.dtype, device=w13.device),

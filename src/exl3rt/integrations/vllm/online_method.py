@@ -48,6 +48,7 @@ class Exl3OnlineLinearMethod(LinearMethodBase):
             input_dim=1, output_dim=0, weight_loader=extra_weight_attrs.get("weight_loader"))
         layer.register_parameter("weight", weight)
         initialize_online_processing(layer)
+        self.quant_config.plan_encoding(weight.numel())
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if getattr(layer, "_already_called_process_weights_after_loading", False):
@@ -65,6 +66,7 @@ class Exl3OnlineLinearMethod(LinearMethodBase):
                                  tp=None if spec.is_whole else (spec.tp_size, spec.tp_rank, spec.bounds))
             modules.append(Exl3Linear.from_encoded(enc, name=spec.name, dequant_cache=cfg.dequant_cache))
         layer.exl3 = nn.ModuleList(modules)
+        self.quant_config.encoded(w.numel(), self.prefix)
         # compile every kernel specialization now: vLLM's profile run and CUDA-graph capture follow
         warm_layer_kernels(layer, w.dtype, self.quant_config.linear_warmed)
         layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
