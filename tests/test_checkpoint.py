@@ -242,3 +242,12 @@ def test_model_card_keeps_a_carried_readme_and_replaces_its_own(tmp_path):
         w.finish({"architectures": ["LlamaForCausalLM"]}, source="org/source-model")
     again = (out / "README.md").read_text()
     assert again.count("<!-- written by exl3rt -->") == 1
+
+
+def test_model_card_names_a_hub_source_as_it_is_and_a_local_path_by_its_last_part():
+    from exl3rt.format.checkpoint_write import card_source
+
+    assert card_source("org/model") == "org/model"
+    assert card_source("/home/me/models/Llama-3-8B/") == "Llama-3-8B"
+    assert card_source("./Llama-3-8B") == "Llama-3-8B"
+    assert card_source("", "src-dir") == "src-dir" and card_source(None) is None

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from ..cache.key import module_seed
 from ..encode.errors import EncodeError
 from ..encode.quantize import ENCODER_VERSION, quantize_weight
 from ..format.checkpoint import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME
-from ..format.checkpoint_write import PARTIAL_SUFFIX, CheckpointWriter
+from ..format.checkpoint_write import PARTIAL_SUFFIX, CheckpointWriter, card_source
 from ..format.encoded import EncodedLinear, padded_width
 from ..format.errors import FormatError
 from ..util.fs import atomic_path, atomic_write_text, sweep_temp_files
@@ -147,13 +146,6 @@ def _sweep(out: Path, work: Path) -> None:
             part.unlink()
 
 
-def source_name(config: dict[str, Any], path: Path) -> str:
-    """What a model card names as the source: the config's Hub name where it has one, else the directory's name
-    (never a local absolute path)."""
-    name = str(config.get("_name_or_path") or "")
-    return name if name and not os.path.isabs(name) and not name.startswith(".") else Path(path).name
-
-
 def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codebook: str = "mcg", head_bits=6,
                        seed: int = 0, keep: tuple[str, ...] = (), overrides: tuple = (),
                        hessians: Optional[Callable[[str], Optional[torch.Tensor]]] = None,
@@ -261,7 +253,7 @@ def _convert_locked(src: TensorFiles, out: Path, plan: ConversionPlan, record: d
             w, bias = _source_weight(src, job)
             h = hessians(job.name) if hessians else None
 
-            def encode(w=w, h=h, job=job):
+            def encode():
                 return quantize_weight(w.to(device), job.bits, job.codebook, hessian=h,
                                        seed=module_seed(job.name, seed), backend=backend, name=job.name,
                                        progress=lambda tiles: bar.update(256 * tiles))
@@ -321,7 +313,7 @@ def _convert_locked(src: TensorFiles, out: Path, plan: ConversionPlan, record: d
             copied.append(side.name)
         config = dict(src.config)
         qfields = {"calibration": {"id": calibration_id} if calibration_id else None, "seed": seed}
-        writer.finish(config, quantization_config=qfields, source=source_name(config, src.root))
+        writer.finish(config, quantization_config=qfields, source=card_source(config.get("_name_or_path"), src.root.name))
     _remove_work(work)
     finite = [e for e in errs if e == e]
     return {"out": str(out), "linears": len(plan.linears), "encoded": encoded - hits, "cache_hits": hits,

@@ -208,6 +208,15 @@ def _storage_bits(storage: dict[str, Any]) -> int:
     return bits
 
 
+def card_source(name_or_path: Any, fallback: Optional[str] = None) -> Optional[str]:
+    """What a model card names as the source: a Hub name as it is, a local path by its last part (never a local
+    absolute path); ``fallback`` when there is no name."""
+    name = str(name_or_path or "").rstrip("/")
+    if not name:
+        return fallback
+    return os.path.basename(name) if os.path.isabs(name) or name.startswith(".") else name
+
+
 CARD_MARK = "<!-- written by exl3rt -->"
 _INDEX = re.compile(r"\.\d+(?=\.|$)")
 

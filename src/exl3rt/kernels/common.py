@@ -11,12 +11,8 @@ from .. import env
 from ..format.bits import Bits, is_half
 from ..format.codebooks import check_codebook
 from ._triton import HAVE_GDC
-from .gemv import CB_AFFINE, CODEBOOK_IDS, HAVE_TRITON, interpreted
-
-
-def interpreting() -> bool:
-    """True when the kernels were defined for Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return HAVE_TRITON and interpreted()
+from .gemv import CB_AFFINE, CODEBOOK_IDS
+from .gemv import interpreted as interpreting   # the kernels were defined for Triton's CPU interpreter
 
 
 def kernel_bits(bits: Bits) -> tuple[int, int]:

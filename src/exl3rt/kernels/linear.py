@@ -426,13 +426,9 @@ def _linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torc
                               **({"seg": (*seg_tiles(bounds, out_p // 16), padded)} if bounds else {}))
         _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0), pdl=pdl)
         return y
-    xh = alloc((nseg, rows, in_p) if bounds else (rows, in_p), torch.float16)
-    _had(x, suh, xh, pre=True)
+    xh = alloc((nseg, rows, in_p), torch.float16)
+    _had(x, suh, xh if bounds else xh[0], pre=True)
     q = decode_fp16(trellis, codebook, decode_cfg)
-    if not bounds:
-        z = torch.matmul(xh, q).float() if x.device.type == "cpu" else _mm_fp32(xh, q)
-        _had(z, svh, y, pre=False)
-        return y
     edges = (0, *bounds, out_p)
     for g in range(nseg):       # each segment's product, rotated straight into its columns of y
         a, b = edges[g], edges[g + 1]

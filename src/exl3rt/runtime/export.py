@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..format.checkpoint_write import DEFAULT_SHARD_BYTES, CheckpointWriter
+from ..format.checkpoint_write import DEFAULT_SHARD_BYTES, CheckpointWriter, card_source
 from ..format.errors import FormatError
 from ..util.progress import Progress
 from .experts import Exl3Experts
@@ -92,6 +92,5 @@ def save_exl3(model: nn.Module, out_dir: str | os.PathLike[str], *, max_shard_by
         for key, t in plain.items():
             w.add_tensor(key, t)
             bar.update()
-        name = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
-        source = (os.path.basename(name.rstrip("/")) if os.path.isabs(name) else name) or None
+        source = card_source(getattr(getattr(model, "config", None), "_name_or_path", None))
         return w.finish(body, head_name=head, source=source)

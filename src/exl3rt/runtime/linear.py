@@ -220,8 +220,7 @@ class Exl3Linear(nn.Module):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """``x · W`` of this layer alone (no bias, no fused group)."""
-        return call_linear(x, self.trellis.contiguous(), self.suh, self.svh, self._dense_for(x), self.codebook,
-                           self.out_features)
+        return call_linear(x, self.trellis, self.suh, self.svh, self._dense_for(x), self.codebook, self.out_features)
 
     def prepare(self, dtype: torch.dtype, done: Optional[set] = None) -> int:
         """Get ready for activations of ``dtype`` outside any traced code: on CUDA compile the kernels

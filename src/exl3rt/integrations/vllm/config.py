@@ -287,7 +287,7 @@ class Exl3VllmConfig(QuantizationConfig):
         self._load_progress().update(n_weights, prefix)
 
     def _load_progress(self):
-        if getattr(self, "_progress", None) is None:
+        if self._progress is None:
             from ...util.progress import LogProgress, visible_logger
             self._progress = LogProgress(visible_logger("exl3rt.vllm.progress"), "exl3rt: online EXL3 encoding",
                                          unit=" weights")
