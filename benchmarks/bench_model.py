@@ -85,11 +85,24 @@ def random_codes(weight, bits, codebook="mcg", hessian=None, seed=0, **_):
     return enc
 
 
-def to_exl3(model, bits, moe_mixed: bool, fuse: bool = True):
+def fuse_as(model, fuse: str) -> None:
+    """``on``: q/k/v and gate/up fused and the gated MLPs as one call (prepare_model's default); ``apart``: the same
+    groups fused, each MLP's layers still called apart; ``off``: nothing fused. Compiles the kernels."""
+    from exl3rt.integrations.generation import prepare_model
+    from exl3rt.runtime.fusion import fuse_gated_mlps, fuse_linears
+
+    if fuse != "off":
+        fuse_linears(model, mlps=False)
+        if fuse == "on":
+            fuse_gated_mlps(model)
+    prepare_model(model, torch.bfloat16, fuse=False)
+    torch.cuda.synchronize()
+
+
+def to_exl3(model, bits, moe_mixed: bool, fuse: str = "on"):
     import exl3rt
     import exl3rt.cache.key as ck
     import exl3rt.encode.quantize as q
-    from exl3rt.integrations.generation import prepare_model
 
     q.quantize_weight = random_codes
     ck.tensor_digest = lambda t: "random"   # cache off: the key only carries the shapes here
@@ -100,8 +113,7 @@ def to_exl3(model, bits, moe_mixed: bool, fuse: bool = True):
                              for i in range(model.config.num_hidden_layers)}
     cfg = exl3rt.Exl3Config(bits=3 if moe_mixed else bits, cache_mode="off", progress=False, **kw)
     summary = exl3rt.quantize_model(model, cfg, progress=False)
-    prepare_model(model, torch.bfloat16, fuse=fuse)   # compiles every kernel specialization before any timing
-    torch.cuda.synchronize()
+    fuse_as(model, fuse)     # compiles every kernel specialization before any timing
     return summary
 
 
@@ -127,7 +139,9 @@ def interleaved_eager(args) -> dict:
     (``args.rounds`` rounds): an eager forward is bound by the host, whose speed drifts within a run, so each
     model's best round is compared with the others' taken minutes apart at most."""
     models = {"bf16": build(args.model, args.layers)}
-    for label, fuse in (("exl3 unfused", False), ("exl3 fused", True)):
+    variants = ((("exl3 fused, MLP apart", "apart"),) if args.fuse == "gated-both" else (("exl3 unfused", "off"),)) \
+        + (("exl3 fused", "on"),)
+    for label, fuse in variants:
         models[label] = build(args.model, args.layers)
         to_exl3(models[label], args.bits[0], args.model == "qwen3moe", fuse=fuse)
     one = torch.randint(3, models["bf16"].config.vocab_size, (1, 1), device="cuda")
@@ -288,9 +302,11 @@ def main() -> int:
                     help="only the eager one-token forward: BF16, EXL3 unfused and fused held side by side and "
                          "timed in turns (--rounds), against the host's drift")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--fuse", choices=("on", "off", "both"), default="on",
-                    help="q/k/v and gate/up as one fused call each (exl3rt.runtime.fuse_linears, the default of "
-                         "prepare_model); both: the unfused model first, then the same codes fused")
+    ap.add_argument("--fuse", choices=("on", "off", "apart", "both", "gated-both"), default="on",
+                    help="on: q/k/v and gate/up as one fused call each and each gated MLP as one call "
+                         "(exl3rt.runtime.fuse_linears, the default of prepare_model); apart: the groups fused, "
+                         "the MLP's layers called apart; both: the unfused model first, then the same codes "
+                         "fused; gated-both: 'apart' first, then 'on' (with --interleave: those two beside BF16)")
     ap.add_argument("--exllamav3", metavar="DIR", default=None,
                     help="write the (last) EXL3 model to DIR and time exllamav3 on the same codes")
     ap.add_argument("--profile", action="store_true",
@@ -316,13 +332,16 @@ def main() -> int:
             torch.cuda.empty_cache()
             model = build(args.model, args.layers)
         t0 = time.perf_counter()
-        to_exl3(model, bits, moe, fuse=args.fuse == "on")
+        first = {"both": "off", "gated-both": "apart"}.get(args.fuse, args.fuse)
+        to_exl3(model, bits, moe, fuse=first)
         label = "exl3 K3/K4 experts" if moe else f"exl3 K{bits}"
         print(f"{label}: codes installed in {time.perf_counter() - t0:.0f} s", flush=True)
-        if args.fuse == "both":
-            rows[label + " unfused"] = measure(model, args, label + " unfused")
+        if args.fuse in ("both", "gated-both"):
+            rows[label + (" unfused" if first == "off" else " MLP-apart")] = measure(model, args, f"{label} {first}")
+            from exl3rt.runtime.fusion import fuse_gated_mlps, fuse_linears
             from exl3rt.integrations.generation import prepare_model
-            prepare_model(model, torch.bfloat16, fuse=True)
+            fuse_linears(model) if first == "off" else fuse_gated_mlps(model)
+            prepare_model(model, torch.bfloat16, fuse=False)
             torch.cuda.synchronize()
         rows[label] = measure(model, args, label)
     if args.exllamav3:

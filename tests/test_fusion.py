@@ -8,6 +8,7 @@ import torch
 from exl3rt.format.random import random_linear
 from exl3rt.kernels import ops
 from exl3rt.runtime import Exl3Linear, fuse_linears, unfuse_linears
+from exl3rt.runtime.fusion import gated_shapes, is_gated
 from exl3rt.runtime.surgery import replace_module
 
 pytest.importorskip("transformers")
@@ -130,6 +131,49 @@ def test_siblings_of_different_k_stay_unfused_and_moves_dissolve_groups():
     assert up._fused is None
 
 
+def count_gated_calls(monkeypatch):
+    calls = []
+    real = ops.gated_mlp_impl
+    monkeypatch.setattr(ops, "gated_mlp_impl", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def test_gated_mlps_run_as_one_call_and_stay_apart_where_they_cannot(monkeypatch):
+    """A Llama MLP whose gate/up are fused runs as one ``exl3rt::gated_mlp`` call (the unfused logits, one call per
+    layer); unfusing gives it its own forward back; a hooked member or another activation keeps an MLP apart; a
+    group that ends (a buffer replaced) sends the MLP back to its own forward, still right."""
+    model = random_llama()
+    ids = torch.tensor([[1, 5, 9, 12, 3, 7]])
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+    fuse_linears(model, devices=("cpu",))
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert all(is_gated(m) for m in mlps)
+    g = mlps[0].gate_proj
+    assert gated_shapes(model) == [((128, 256, 128, 4.0, "mcg", 4.0, "mcg"), g.trellis.device)]
+    calls = count_gated_calls(monkeypatch)
+    with torch.no_grad():
+        got = model(ids, use_cache=False).logits
+    assert len(calls) == 2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    unfuse_linears(model)
+    assert not any(is_gated(m) for m in mlps) and "forward" not in mlps[0].__dict__
+    hook = mlps[0].down_proj.register_forward_hook(lambda *a: None)
+    mlps[1].act_fn = torch.nn.GELU()
+    fuse_linears(model, devices=("cpu",))
+    assert not is_gated(mlps[0]) and not is_gated(mlps[1]) and mlps[1].gate_proj._fused is not None
+    hook.remove()
+    mlps[1].act_fn = torch.nn.SiLU()
+    unfuse_linears(model)
+    fuse_linears(model, devices=("cpu",))
+    assert all(is_gated(m) for m in mlps)
+    mlps[1].up_proj.svh = mlps[1].up_proj.svh.clone()     # behind the group's back
+    calls.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, use_cache=False).logits, want, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1 and mlps[1].gate_proj._fused is None
+
+
 def test_a_fused_model_compiles_fullgraph_with_one_fused_op_per_group(monkeypatch):
     model = random_llama()
     ids = torch.tensor([[1, 5, 9, 12, 3, 7]])
@@ -140,8 +184,9 @@ def test_a_fused_model_compiles_fullgraph_with_one_fused_op_per_group(monkeypatc
     with torch.no_grad():
         compiled(ids, use_cache=False)
         calls = count_fused_calls(monkeypatch)
+        gated = count_gated_calls(monkeypatch)
         got = compiled(ids, use_cache=False).logits
-    assert len(calls) == 4
+    assert len(calls) == 4 and len(gated) == 2       # q/k/v fused, and each MLP one gated call (its gate/up inside)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -151,7 +196,7 @@ def test_on_a_gpu_fused_groups_give_the_unfused_logits_eager_and_compiled():
     ids = torch.tensor([[1, 5, 9, 12, 3, 7]], device="cuda")
     with torch.no_grad():
         want = model(ids, use_cache=False).logits.float()
-        assert fuse_linears(model) == 4
+        assert fuse_linears(model) == 4 and all(is_gated(layer.mlp) for layer in model.model.layers)
         got = model(ids, use_cache=False).logits.float()
         compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
         for _ in range(3):

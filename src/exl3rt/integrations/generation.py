@@ -71,16 +71,22 @@ def _stop_after(prompt: int, n: int) -> Any:
 
 def prepare_model(model: torch.nn.Module, dtype: torch.dtype, *, fuse: bool = True) -> int:
     """Every EXL3 linear made ready for ``dtype`` before the first forward, outside any traced code: on CUDA
-    q/k/v and gate/up fused (``fuse``; :func:`exl3rt.runtime.fusion.fuse_linears`) and the kernels compiled,
+    q/k/v and gate/up fused, and gated MLPs run as one call (``fuse``; :func:`exl3rt.runtime.fusion.fuse_linears`),
+    and the kernels compiled,
     elsewhere the kept dense weight decoded (what a first forward would do); returns the kernel launches this
     took."""
-    from ..runtime.fusion import fuse_linears
+    from ..runtime.fusion import fuse_linears, gated_shapes
     from ..runtime.linear import Exl3Linear
 
     if fuse:
         fuse_linears(model)
     done: set = set()
-    return sum(m.prepare(dtype, done) for m in model.modules() if isinstance(m, Exl3Linear))
+    n = sum(m.prepare(dtype, done) for m in model.modules() if isinstance(m, Exl3Linear))
+    for shape, device in gated_shapes(model):       # the fused MLPs' middle pass
+        if device.type == "cuda":
+            from ..kernels.linear import prewarm_gated
+            n += prewarm_gated([shape], device=device, dtype=dtype)
+    return n
 
 
 def generate_timed(model: Any, ids: torch.Tensor, max_new_tokens: int, *, fast: bool, pad_token_id: Optional[int],

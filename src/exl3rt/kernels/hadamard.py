@@ -6,7 +6,10 @@
 * ``_had_kernel`` / :func:`had`: the pre-pass ``x' = (x ⊙ suh)·H`` and the post-pass
   ``y = (Σ_split z[split])·H ⊙ svh`` (H = H128/√128) as one launch each. The post-pass reads up to
   ``SB`` split-K partials per load (one ``[SB, BR, 128]`` block, summed in registers), so the
-  split-K reduction costs a few load latencies, not one per split.
+  split-K reduction costs a few load latencies, not one per split;
+* ``_gated_kernel`` / :func:`gated_had`: a gated MLP's middle (gate/up's post-pass, ``silu(g)·u``, down's
+  pre-pass) as one launch, so that the MLP of a decoder layer runs as five launches instead of seven and two
+  torch operations.
 """
 
 from __future__ import annotations
@@ -108,6 +111,65 @@ if HAVE_TRITON:
             tl.store(y_ptr + yoffs, y.to(y_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
+    @triton.jit(do_not_specialize=["rows", "splits", "inter", "rows_out"])
+    def _gated_kernel(z_ptr, svh_ptr, suh_ptr, y_ptr, rows, n, splits, stride_split, inter, rows_out,
+                      ACT_DT: tl.constexpr, FRAG: tl.constexpr, BR: tl.constexpr, SB: tl.constexpr,
+                      PDL: tl.constexpr = False, zero_ptr=None, zero_n=0, ZERO: tl.constexpr = False):
+        """The passes between a gated MLP's gate/up layer and its down layer, one [BR, 128] block of the
+        intermediate: gate/up's post-pass on both halves of z ``[splits, rows, 2n]`` (gate's columns, then up's),
+        ``h = silu(g)·u`` rounded where torch would round it (``ACT_DT``: 1 fp16, 2 bf16, 0 none), columns from
+        ``inter`` on zero (down's input padding), then down's pre-pass ``(h ⊙ suh)·H`` into y in the mma
+        GEMV's fragment order (``FRAG`` as in ``_had_kernel``, ``rows_out`` rows). ``ZERO``: the programs of row
+        block 0 also zero down's accumulation buffer."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        if ZERO:
+            if pid_r == 0:
+                per = tl.cdiv(zero_n, tl.num_programs(1))
+                z_end = tl.minimum(pid_c * per + per, zero_n)
+                zo = tl.arange(0, 512)
+                for z0 in range(pid_c * per, z_end, 512):
+                    tl.store(zero_ptr + z0 + zo, tl.zeros([512], tl.float32), mask=(z0 + zo) < z_end)
+        r = pid_r * BR + tl.arange(0, BR)
+        c = pid_c * 128 + tl.arange(0, 128)
+        rmask = r < rows
+        offs = r[:, None] * (2 * n) + c[None, :]
+        g = tl.zeros([BR, 128], tl.float32)
+        u = tl.zeros([BR, 128], tl.float32)
+        sb = tl.arange(0, SB)
+        for s0 in range(0, splits, SB):
+            m = ((s0 + sb) < splits)[:, None, None] & rmask[None, :, None]
+            at = z_ptr + (s0 + sb)[:, None, None] * stride_split + offs[None, :, :]
+            g += tl.sum(tl.load(at, mask=m, other=0.0), axis=0)
+            u += tl.sum(tl.load(at + n, mask=m, other=0.0), axis=0)
+        g = fwht128(g, BR) * (tl.load(svh_ptr + c).to(tl.float32) * HAD_SCALE_C)[None, :]
+        u = fwht128(u, BR) * (tl.load(svh_ptr + n + c).to(tl.float32) * HAD_SCALE_C)[None, :]
+        # what the layers run apart compute: g and u in the activation dtype, silu(g) rounded, then the product
+        if ACT_DT == 1:
+            g = g.to(tl.float16).to(tl.float32)
+            u = u.to(tl.float16).to(tl.float32)
+        elif ACT_DT == 2:
+            g = g.to(tl.bfloat16).to(tl.float32)
+            u = u.to(tl.bfloat16).to(tl.float32)
+        a = g / (1.0 + tl.exp(-g))
+        if ACT_DT == 1:
+            a = a.to(tl.float16).to(tl.float32)
+        elif ACT_DT == 2:
+            a = a.to(tl.bfloat16).to(tl.float32)
+        h = a * u
+        if ACT_DT == 1:
+            h = h.to(tl.float16).to(tl.float32)
+        elif ACT_DT == 2:
+            h = h.to(tl.bfloat16).to(tl.float32)
+        h = tl.where((c < inter)[None, :], h, 0.0)
+        y = fwht128(h * (tl.load(suh_ptr + c).to(tl.float32) * HAD_SCALE_C)[None, :], BR)
+        fo = frag_offsets(r[:, None], c[None, :], n * (4 if FRAG == 2 else 8), FRAG == 2)
+        tl.store(y_ptr + fo, y.to(y_ptr.dtype.element_ty), mask=(r < rows_out)[:, None])
+
+
 def had(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, pre: bool, splits: int = 1,
         stride_split: int = 0, pdl: bool = False, frag: int = 0, launch: Optional[tuple[int, int, int]] = None,
         zero: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -151,6 +213,35 @@ def had(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, *, pre: bool, s
     launch_kernel(_had_kernel, grid, x, scale, out, rows, n, splits, stride_split, PRE=pre, BR=br, SB=sb, num_warps=warps,
                       FRAG=frag, rows_out=rows_out, **extra, **zargs,
                       **({"seg_y": seg_y} if groups > 1 else {}), **({"ldy": ldy} if ldy else {}))
+    return out
+
+
+#: the activation dtypes ``gated_had`` rounds to, as ``_gated_kernel`` numbers them (others: no rounding)
+ACT_DTYPES = {torch.float16: 1, torch.bfloat16: 2}
+
+
+def gated_had(z: torch.Tensor, svh: torch.Tensor, suh: torch.Tensor, out: torch.Tensor, *, rows: int, inter: int,
+              act_dtype: torch.dtype, frag: int, pdl: bool = False, zero: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A gated MLP's middle in one launch: ``g, u`` = the gate/up layer's post-pass of ``z`` (``[splits, rows,
+    2n]`` split-K partials, gate's ``n`` columns then up's; ``svh`` ``[2n]``), ``h = silu(g)·u`` rounded as
+    torch rounds it in ``act_dtype``, zero from column ``inter`` on, and ``out`` = the down layer's pre-pass
+    ``(h ⊙ suh)·H`` (``suh`` ``[n]``) in the mma GEMV's fragment order (``frag`` 1 or 2, ``out`` ``[rows_pad,
+    n]``, the rows past ``rows`` zero). ``zero``: down's accumulation buffer, zeroed by the same launch."""
+    splits, zrows, n2 = z.shape
+    rows_out, n = out.shape
+    if n2 != 2 * n or zrows != rows or z.stride(1) != n2 or z.stride(2) != 1 or svh.shape != (n2,) or \
+            suh.shape != (n,) or frag not in (1, 2) or not 0 < inter <= n or n % 128:
+        raise ValueError(f"gated_had: z {tuple(z.shape)}, svh {tuple(svh.shape)}, suh {tuple(suh.shape)}, out "
+                         f"{tuple(out.shape)}, inter {inter}, frag {frag} do not fit")
+    if zero is not None and (zero.dtype != torch.float32 or not zero.is_contiguous()):
+        raise ValueError("gated_had: zero= takes a contiguous fp32 tensor")
+    br = 1 if rows <= 8 or splits > 1 else min(4, next_pow2(rows))   # (as the post-pass)
+    sb = min(32, next_pow2(splits))
+    grid = (triton.cdiv(rows_out, br), n // 128)
+    extra = {"PDL": True, "launch_pdl": True} if pdl else {}
+    zargs = {"zero_ptr": zero, "zero_n": zero.numel(), "ZERO": True} if zero is not None else {}
+    launch_kernel(_gated_kernel, grid, z, svh, suh, out, rows, n, splits, z.stride(0), inter, rows_out,
+                  ACT_DT=ACT_DTYPES.get(act_dtype, 0), FRAG=frag, BR=br, SB=sb, num_warps=1, **extra, **zargs)
     return out
 
 

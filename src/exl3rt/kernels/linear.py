@@ -45,6 +45,7 @@ from . import mma as _mm
 from . import gemv as _g
 from . import wgmma as _wg
 from .common import cb_args, interpreting, kernel_bits, pdl_args, use_asm, use_pdl
+from .hadamard import gated_had
 from .hadamard import had as _had
 from .launch import (Recording, Replay, current_stream, direct_launch_ok, launch, new_plans_epoch, run_plan,
                      scratch_layout, slot_bytes)
@@ -513,7 +514,7 @@ def planned_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, sv
         return _linear(x, trellis, suh, svh, codebook, bounds=bounds)
     plan = _PLANS.get(key)
     if plan is None:
-        return _plan_call(key, x, trellis, suh, svh, codebook, bounds)
+        return _plan_call(key, x, functools.partial(_linear, x, trellis, suh, svh, codebook, bounds=bounds))
     if plan.replay is None:
         return _linear(x, trellis, suh, svh, codebook, bounds=bounds)
     return _run_plan(plan, x, dev)
@@ -526,11 +527,11 @@ def _run_plan(plan: LinearPlan, x: torch.Tensor, dev: int) -> torch.Tensor:
     return y
 
 
-def _plan_call(key: tuple, x, trellis, suh, svh, codebook, bounds: tuple = ()) -> torch.Tensor:
-    """Run the call in full; where it is plannable (a planned path, no launch hook installed) record its
-    launches as the key's plan."""
+def _plan_call(key: tuple, x: torch.Tensor, call: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """Run ``call(alloc=, taken=)`` (the full call on input ``x``) once; where it is plannable (it took a planned
+    path, no launch hook is installed) record its launches as the key's plan."""
     if not direct_launch_ok():
-        return _linear(x, trellis, suh, svh, codebook, bounds=bounds)
+        return call()
     specs, allocated, taken = [], [], []
 
     def alloc(shape, dtype):
@@ -540,7 +541,7 @@ def _plan_call(key: tuple, x, trellis, suh, svh, codebook, bounds: tuple = ()) -
         return t
 
     with Recording() as rec:
-        y = _linear(x, trellis, suh, svh, codebook, alloc=alloc, taken=taken, bounds=bounds)
+        y = call(alloc=alloc, taken=taken)
     if not taken or taken[0] not in PLANNED_PATHS:
         _remember(key, LinearPlan(tuple(y.shape), y.dtype, (), 0, None))
         return y
@@ -630,10 +631,137 @@ def prewarm(shapes: Iterable[tuple], rows: Optional[Iterable[int]] = None,
     return n
 
 
+# ---- gated MLP: down(silu(gate(x)) · up(x)) with gate/up fused -------------------------------------------
+
+def gated_mlp_fused(rows: int, gu_bits: Bits, down_bits: Bits, device: torch.device) -> bool:
+    """True where :func:`exl3_gated_mlp` runs the fused sequence at ``rows`` (both layers on the mma GEMV: the
+    decode's row counts); elsewhere it calls the two layers apart with torch's activation between them."""
+    wg = _wg.available(device)
+    return choose_path(rows, wgmma=wg, bits=gu_bits) == "mma" and choose_path(rows, wgmma=wg, bits=down_bits) == "mma"
+
+
+def exl3_gated_mlp(x: torch.Tensor, gu_trellis: torch.Tensor, gu_suh: torch.Tensor, gu_svh: torch.Tensor,
+                   d_trellis: torch.Tensor, d_suh: torch.Tensor, d_svh: torch.Tensor, gu_codebook: str,
+                   d_codebook: str, inter: int) -> torch.Tensor:
+    """``y = down(silu(gate(x)) · up(x))`` for x ``[rows, in_p]`` (padded); returns ``[rows, out_p]`` in x's dtype.
+
+    ``gu_*``: gate and up as one fused layer (:func:`exl3_linear` with ``bounds=(n,)``: gate's ``n`` padded
+    columns, then up's ``n``; ``gu_suh`` ``[2, in_p]``); ``d_*``: down, ``[n, out_p]``; ``inter``: the real
+    intermediate width (≤ n; down's input columns past it are zero). At the decode's row counts
+    (:func:`gated_mlp_fused`) five launches: gate/up's pre-pass and GEMV, one pass for gate/up's output
+    rotation, the activation and down's input rotation (:func:`exl3rt.kernels.hadamard.gated_had`), down's GEMV
+    and post-pass; g, u, silu(g) and h are rounded to x's dtype where torch would round them, so the result is
+    that of the layers run apart to the kernels' rounding. Planned as :func:`planned_linear` is."""
+    dev = x.get_device()
+    if dev >= 0 and torch._C._cuda_getDevice() != dev:
+        with torch.cuda.device(dev):
+            return exl3_gated_mlp(x, gu_trellis, gu_suh, gu_svh, d_trellis, d_suh, d_svh, gu_codebook, d_codebook,
+                                  inter)
+    key = ("gated", gu_trellis.data_ptr(), gu_trellis.shape, gu_trellis.dtype, gu_suh.data_ptr(), gu_suh.dtype,
+           gu_svh.data_ptr(), gu_svh.dtype, d_trellis.data_ptr(), d_trellis.shape, d_trellis.dtype, d_suh.data_ptr(),
+           d_suh.dtype, d_svh.data_ptr(), d_svh.dtype, x.shape, x.dtype, dev, gu_codebook, d_codebook, inter)
+    call = functools.partial(_gated_mlp, x, gu_trellis, gu_suh, gu_svh, d_trellis, d_suh, d_svh, gu_codebook,
+                             d_codebook, inter)
+    if x.data_ptr() & 15 or not x.is_contiguous():
+        return call(planned=True)
+    plan = _PLANS.get(key)
+    if plan is None:
+        return _plan_call(key, x, call)
+    if plan.replay is None:
+        return call(planned=True)
+    return _run_plan(plan, x, dev)
+
+
+def _gated_mlp(x: torch.Tensor, gu_trellis: torch.Tensor, gu_suh: torch.Tensor, gu_svh: torch.Tensor,
+               d_trellis: torch.Tensor, d_suh: torch.Tensor, d_svh: torch.Tensor, gu_codebook: str, d_codebook: str,
+               inter: int, *, alloc: Optional[Alloc] = None, taken: Optional[list] = None,
+               planned: bool = False) -> torch.Tensor:
+    """:func:`exl3_gated_mlp` decided and launched in full (``alloc``, ``taken`` as for :func:`_linear`; ``planned``:
+    where the layers run apart, through their own plans)."""
+    n = int(gu_trellis.shape[1]) * 8 if gu_trellis.dim() == 3 else 0
+    if n == 0 or n % 128:
+        raise FormatError(f"gate/up trellis {tuple(gu_trellis.shape)}: two halves of a multiple of 128 columns expected")
+    in_p, _, gu_bits = _check(gu_trellis, gu_suh, gu_svh, (n,))
+    d_in, out_p, d_bits = _check(d_trellis, d_suh, d_svh)
+    if d_in != n or not 0 < inter <= n:
+        raise FormatError(f"down trellis {tuple(d_trellis.shape)} takes {d_in} inputs, gate/up give {n} "
+                          f"(intermediate width {inter})")
+    if x.dim() != 2 or x.shape[1] != in_p:
+        raise ValueError(f"x: expected [rows, {in_p}], got {tuple(x.shape)}")
+    x = x.contiguous()
+    rows = x.shape[0]
+    if rows == 0 or not gated_mlp_fused(rows, gu_bits, d_bits, x.device):
+        if taken is not None:
+            taken.append("apart")
+        one = planned_linear if planned else _linear
+        gu = one(x, gu_trellis, gu_suh, gu_svh, gu_codebook, bounds=(n,))
+        h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, n:n + inter]
+        if inter != n:
+            h = torch.nn.functional.pad(h, (0, n - inter))
+        return one(h.contiguous(), d_trellis, d_suh, d_svh, d_codebook)
+    if taken is not None:
+        taken.append("mma")
+    if alloc is None:
+        def alloc(shape, dtype):
+            return torch.empty(shape, dtype=dtype, device=x.device)
+    pdl = use_pdl(x.device)
+    y = torch.empty((rows, out_p), dtype=x.dtype, device=x.device)
+    cfg = default_mma_config(rows, gu_bits)
+    xf = alloc((2, xfrag_rows(rows, cfg), in_p), torch.float16)
+    acc = alloc((1, rows, 2 * n), torch.float32) if use_atomic(cfg) else None
+    _had(x, gu_suh, xf, pre=True, pdl=pdl, frag=2 if cfg.swap else 1, zero=acc)
+    z = mma_rotated(xf, gu_trellis, gu_codebook, cfg, rows=rows, acc=acc, alloc=alloc, bounds=(n,))
+    dcfg = default_mma_config(rows, d_bits)
+    hf = alloc((xfrag_rows(rows, dcfg), n), torch.float16)
+    dacc = alloc((1, rows, out_p), torch.float32) if use_atomic(dcfg) else None
+    gated_had(z, gu_svh, d_suh, hf, rows=rows, inter=inter, act_dtype=x.dtype, frag=2 if dcfg.swap else 1, pdl=pdl,
+              zero=dacc)
+    zd = mma_rotated(hf, d_trellis, d_codebook, dcfg, rows=rows, acc=dacc, alloc=alloc)
+    _had(zd, d_svh, y, pre=False, splits=zd.shape[0], stride_split=zd.stride(0), pdl=pdl)
+    return y
+
+
+def prewarm_gated(shapes: Iterable[tuple], rows: Optional[Iterable[int]] = None, *,
+                  device: str | torch.device = "cuda", dtype: torch.dtype = torch.float16) -> int:
+    """:func:`prewarm` for gated MLPs ``(in_p, n, out_p, gate/up K, gate/up codebook, down K, down codebook)``:
+    compiles the fused sequence's kernels at every row count of ``rows`` (default :func:`prewarm_rows`) where
+    it runs; returns the calls made."""
+    from ..format.bits import words16_per_tile
+    rows = prewarm_rows(device) if rows is None else tuple(rows)
+    n_calls, need, done = 0, 0, set()
+    for in_p, n, out_p, gu_bits, gu_cb, d_bits, d_cb in shapes:
+        gu = torch.randint(-32768, 32767, (in_p // 16, 2 * n // 16, words16_per_tile(gu_bits)), dtype=torch.int16,
+                           device=device)
+        d = torch.randint(-32768, 32767, (n // 16, out_p // 16, words16_per_tile(d_bits)), dtype=torch.int16,
+                          device=device)
+        ones = functools.partial(torch.ones, dtype=torch.float16, device=device)
+        for r in rows:
+            wg = _wg.available(torch.device(device))
+            key = (in_p, n, out_p, gu_bits, gu_cb, d_bits, d_cb, dtype, specialization(r, gu_bits, wg),
+                   specialization(r, d_bits, wg))
+            if key in done or not gated_mlp_fused(r, gu_bits, d_bits, torch.device(device)):
+                continue
+            done.add(key)
+            scratch = []
+
+            def alloc(shape, dt):
+                scratch.append(slot_bytes(tuple(shape), dt))
+                return torch.empty(shape, dtype=dt, device=device)
+            _gated_mlp(torch.randn(r, in_p, dtype=dtype, device=device), gu, ones((2, in_p)), ones(2 * n), d,
+                       ones(n), ones(out_p), gu_cb, d_cb, n, alloc=alloc)
+            need = max(need, sum(scratch))
+            n_calls += 1
+    if torch.device(device).type == "cuda" and n_calls:
+        torch.cuda.synchronize(device)
+        reserve_workspace(device, 2 * need)
+    return n_calls
+
+
 __all__ = ["MAX_SEGMENTS", "seg_tiles", "exl3_linear", "gemv_rotated", "decode_fp16", "prewarm", "prewarm_rows", "GemvConfig", "DecodeConfig",
            "MmaConfig", "mma_rotated", "use_atomic", "xfrag_rows", "choose_path", "default_mma_config", "specialization",
            "PREWARM_ROWS", "WGMMA_PREWARM_ROWS", "WGMMA_MIN_ROWS", "WGMMA_MIN_ROWS_WIDE", "MMA_16_BITS", "WGMMA_MAX_ROWS",
            "WGMMA_GAP", "MMA_MAX_ROWS",
            "GEMV_MAX_ROWS", "GEMV_DISPATCH_ROWS", "interpreting", "gemv_splits", "split_buffer", "planned_linear",
            "stream_workspace",
-           "reset_plans", "reserve_workspace", "LinearPlan", "PLANNED_PATHS", "WORKSPACE_MAX_BYTES", "MAX_PLANS"]
+           "reset_plans", "reserve_workspace", "LinearPlan", "PLANNED_PATHS", "WORKSPACE_MAX_BYTES", "MAX_PLANS",
+           "exl3_gated_mlp", "gated_mlp_fused", "prewarm_gated"]

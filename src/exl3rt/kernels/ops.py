@@ -14,6 +14,12 @@ a Triton kernel, and settings are read outside the traced code.
     Several layers of one input in one call (:mod:`exl3rt.runtime.fusion`): ``trellis`` theirs concatenated along
     the output tiles, ``suh [segments, in_p]``, ``svh`` concatenated, ``bounds`` the output columns where
     segments 1, 2 … start; ``y [..., out_p]`` (every segment's padded width) with ``y[..., a:b] = x·W_g``.
+
+``exl3rt::gated_mlp(x, gu_trellis, gu_suh, gu_svh, d_trellis, d_suh, d_svh, gu_codebook, d_codebook, inter, out_features) -> y``
+    A gated MLP ``down(silu(gate(x)) · up(x))`` in one call: ``gu_*`` gate and up as one fused layer (gate's ``n``
+    padded columns, then up's; ``inter ≤ n`` the real intermediate width), ``d_*`` down; ``y [..., out_features]``
+    in ``x.dtype``, g, u, silu(g) and the product rounded to it as the layers run apart would
+    (:func:`exl3rt.kernels.linear.exl3_gated_mlp`).
 """
 
 from __future__ import annotations
@@ -90,6 +96,57 @@ def call_fused_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor,
     return torch.ops.exl3rt.fused_linear(x, trellis, suh, svh, codebook, list(bounds))
 
 
+def gated_mlp_impl(x: torch.Tensor, gu_trellis: torch.Tensor, gu_suh: torch.Tensor, gu_svh: torch.Tensor,
+                   d_trellis: torch.Tensor, d_suh: torch.Tensor, d_svh: torch.Tensor, gu_codebook: str, d_codebook: str,
+                   inter: int, out_features: int) -> torch.Tensor:
+    """What ``exl3rt::gated_mlp`` computes (its implementation)."""
+    n = int(gu_trellis.shape[1]) * 8
+    if x.is_cuda and _kernel() is not None:
+        from .linear import exl3_gated_mlp
+        shape = x.shape
+        x2 = _padded_rows(x, int(gu_trellis.shape[0]) * 16)
+        y = exl3_gated_mlp(x2, gu_trellis, gu_suh, gu_svh, d_trellis, d_suh, d_svh, gu_codebook, d_codebook, inter)
+        if y.shape[1] != out_features:
+            y = y[:, :out_features].contiguous()
+        return y.view(*shape[:-1], out_features)
+    gu = fused_linear_impl(x, gu_trellis, gu_suh, gu_svh, gu_codebook, [n])
+    h = torch.nn.functional.silu(gu[..., :inter]) * gu[..., n:n + inter]
+    return linear_impl(h, d_trellis, d_suh, d_svh, None, d_codebook, out_features)
+
+
+@torch.library.custom_op("exl3rt::gated_mlp", mutates_args=())
+def gated_mlp(x: torch.Tensor, gu_trellis: torch.Tensor, gu_suh: torch.Tensor, gu_svh: torch.Tensor,
+              d_trellis: torch.Tensor, d_suh: torch.Tensor, d_svh: torch.Tensor, gu_codebook: str, d_codebook: str,
+              inter: int, out_features: int) -> torch.Tensor:
+    return gated_mlp_impl(x, gu_trellis, gu_suh, gu_svh, d_trellis, d_suh, d_svh, gu_codebook, d_codebook, inter,
+                          out_features)
+
+
+@gated_mlp.register_fake
+def _(x, gu_trellis, gu_suh, gu_svh, d_trellis, d_suh, d_svh, gu_codebook, d_codebook, inter, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def call_gated_mlp(x: torch.Tensor, gu_trellis: torch.Tensor, gu_suh: torch.Tensor, gu_svh: torch.Tensor,
+                   d_trellis: torch.Tensor, d_suh: torch.Tensor, d_svh: torch.Tensor, gu_codebook: str, d_codebook: str,
+                   inter: int, out_features: int) -> torch.Tensor:
+    """``torch.ops.exl3rt.gated_mlp(...)`` where anything traces, its implementation directly in plain eager mode
+    (as :func:`call_linear`)."""
+    if type(x) is torch.Tensor and not torch.compiler.is_compiling():
+        return gated_mlp_impl(x, gu_trellis, gu_suh, gu_svh, d_trellis, d_suh, d_svh, gu_codebook, d_codebook, inter,
+                              out_features)
+    return torch.ops.exl3rt.gated_mlp(x, gu_trellis, gu_suh, gu_svh, d_trellis, d_suh, d_svh, gu_codebook, d_codebook,
+                                      inter, out_features)
+
+
+def _padded_rows(x: torch.Tensor, in_p: int) -> torch.Tensor:
+    """x as the kernels take it: ``[rows, in_p]``, contiguous, zero past its own width."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if in_p != x.shape[-1]:
+        x2 = torch.nn.functional.pad(x2, (0, in_p - x.shape[-1]))
+    return x2.contiguous()
+
+
 def padded_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str,
                   out_features: int, bounds: tuple = ()) -> torch.Tensor:
     """The kernels' contract: flatten to 2-D, zero-pad to ``in_p``, ``[rows, in_p] -> [rows, out_p]``, trim to
@@ -128,4 +185,4 @@ def _kernel():
 
 
 __all__ = ["linear", "linear_impl", "call_linear", "padded_linear", "fused_linear", "fused_linear_impl",
-           "call_fused_linear"]
+           "call_fused_linear", "gated_mlp", "gated_mlp_impl", "call_gated_mlp"]

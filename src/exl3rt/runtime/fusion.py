@@ -14,16 +14,24 @@ state, which torch.compile traces (one fused op per group in the graph).
 
 Moving a member (``.to``, ``.cuda`` …) or replacing its buffers dissolves the group: each member gets contiguous
 buffers of its own again.
+
+A gated MLP (``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with a SiLU, as Llama, Mistral and Qwen write it)
+whose gate/up are fused goes one step further (:func:`fuse_gated_mlps`): its forward becomes one
+``torch.ops.exl3rt.gated_mlp`` call, which at the decode's row counts runs gate/up's output rotation, the
+activation and down's input rotation as one kernel (five launches for the MLP instead of seven, and no torch
+operations between them). Where its group ends, or a layer is replaced, the module's own forward runs again.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
+
+import types
 
 import torch
 from torch import nn
 
-from ..kernels.ops import call_fused_linear
+from ..kernels.ops import call_fused_linear, call_gated_mlp
 from .linear import Exl3Linear
 
 #: sibling names that a decoder layer calls on one input, in the order it calls them
@@ -76,6 +84,10 @@ class FusedLinears:
         a, b = self.columns[index]
         return out[..., a:b]
 
+    def intact(self) -> bool:
+        """Every member still holds its views (see :meth:`_intact`)."""
+        return all(self._intact(i) for i in range(len(self.members)))
+
     def _intact(self, index: int) -> bool:
         """Member ``index`` still holds its views (no buffer replaced by a load or a move): its columns of the fused
         call are its own product."""
@@ -112,12 +124,13 @@ def _fusable(members: list, devices: tuple) -> bool:
 
 
 def fuse_linears(model: nn.Module, groups: Iterable[tuple[str, ...]] = FUSABLE_GROUPS,
-                 devices: tuple[str, ...] = ("cuda",)) -> int:
+                 devices: tuple[str, ...] = ("cuda",), mlps: bool = True) -> int:
     """Fuse every group of sibling :class:`Exl3Linear` named in ``groups`` (default :data:`FUSABLE_GROUPS`) that
     read one input, with one K and codebook, on one device of a type in ``devices`` (CUDA: elsewhere a layer
     multiplies by its kept dense weight, which fusing would not speed up); returns how many groups were fused.
     Siblings that differ (in K, say) stay as they are. Memory: one group's codes are copied once, then the
-    originals are freed."""
+    originals are freed. ``mlps``: then run each gated MLP whose gate/up were fused as one call
+    (:func:`fuse_gated_mlps`)."""
     n = 0
     for parent in list(model.modules()):
         children = parent._modules
@@ -126,15 +139,114 @@ def fuse_linears(model: nn.Module, groups: Iterable[tuple[str, ...]] = FUSABLE_G
             if all(m is not None for m in members) and _fusable(members, tuple(devices)):
                 FusedLinears(members)
                 n += 1
+    if mlps:
+        fuse_gated_mlps(model)
     return n
 
 
 def unfuse_linears(model: nn.Module) -> int:
-    """Dissolve every fused group in ``model``; returns how many."""
+    """Dissolve every fused group in ``model`` (and give every gated MLP its own forward back); returns how many
+    groups."""
+    for module in model.modules():
+        if is_gated(module):
+            del module.forward
     groups = {id(m._fused): m._fused for m in model.modules() if isinstance(m, Exl3Linear) and m._fused is not None}
     for g in groups.values():
         g.dissolve()
     return len(groups)
 
 
-__all__ = ["FUSABLE_GROUPS", "FusedLinears", "fuse_linears", "unfuse_linears"]
+# ---- gated MLPs -----------------------------------------------------------------------------------------
+
+def _gated_form(self, x):
+    down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    return down_proj
+
+
+def _gated_form_inline(self, x):
+    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+# the bytecode of the forwards this fusion replaces (the Python running us compiles both sides alike)
+_GATED_CODES = tuple((f.__code__.co_code, f.__code__.co_names) for f in (_gated_form, _gated_form_inline))
+
+
+def _is_silu(act: Any) -> bool:
+    """``act`` is torch's SiLU or transformers' ``SiLUActivation``, and computes it (no kernel swapped in)."""
+    if not isinstance(act, nn.Module) or act._forward_hooks or act._forward_pre_hooks:
+        return False
+    if type(act) is not nn.SiLU and type(act).__name__ != "SiLUActivation":
+        return False
+    with torch.no_grad():
+        probe = torch.linspace(-9.0, 9.0, 37)
+        return bool(torch.equal(act(probe), nn.functional.silu(probe)))
+
+
+def _gated_members(module: nn.Module) -> Optional[tuple]:
+    """(gate, up, down) where ``module`` is a gated MLP this fusion can run as one call, else None."""
+    if "forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks:
+        return None
+    code = getattr(type(module).forward, "__code__", None)
+    if code is None or (code.co_code, code.co_names) not in _GATED_CODES:
+        return None
+    children = module._modules
+    g, u, d = children.get("gate_proj"), children.get("up_proj"), children.get("down_proj")
+    if not all(type(m) is Exl3Linear for m in (g, u, d)) or not _is_silu(children.get("act_fn")):
+        return None
+    grp = g._fused
+    if grp is None or grp.members != [g, u] or d._fused is not None or d.trellis.device != grp.trellis.device:
+        return None
+    if any(m.bias is not None or m._forward_hooks or m._forward_pre_hooks for m in (g, u, d)):
+        return None
+    if g.out_padded != u.out_padded or g.out_features != u.out_features or d.in_padded != g.out_padded or \
+            d.in_features != g.out_features or d.dequant_cache or not d.trellis.is_contiguous():
+        return None
+    return g, u, d
+
+
+def _gated_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """A fused gated MLP's forward: one ``exl3rt::gated_mlp`` call while gate/up stay fused, else the module's own."""
+    g, d = self.gate_proj, self.down_proj
+    grp = g._fused
+    if grp is None or grp is not self.up_proj._fused or type(d) is not Exl3Linear or d._fused is not None or \
+            (not torch.compiler.is_compiling() and not grp.intact()):
+        return type(self).forward(self, x)
+    g._check_input(x)
+    return call_gated_mlp(x, grp.trellis, grp.suh, grp.svh, d.trellis, d.suh, d.svh, grp.codebook, d.codebook,
+                          g.out_features, d.out_features)
+
+
+def is_gated(module: nn.Module) -> bool:
+    """``module``'s forward is the fused gated MLP's (:func:`fuse_gated_mlps`)."""
+    return getattr(module.__dict__.get("forward"), "__func__", None) is _gated_forward
+
+
+def fuse_gated_mlps(model: nn.Module) -> int:
+    """Run every gated MLP of ``model`` whose gate/up are a fused group (:func:`fuse_linears`) and whose down
+    layer is an :class:`Exl3Linear` of the same device, without biases or hooks, as one ``exl3rt::gated_mlp`` call;
+    returns how many. The module keeps its type, children and state_dict; only its forward is replaced
+    (:func:`unfuse_linears` restores it)."""
+    n = 0
+    for module in model.modules():
+        if _gated_members(module) is not None:
+            module.forward = types.MethodType(_gated_forward, module)
+            n += 1
+    return n
+
+
+def gated_shapes(model: nn.Module) -> list[tuple]:
+    """The kernel shapes of ``model``'s fused gated MLPs, as :func:`exl3rt.kernels.linear.prewarm_gated` takes
+    them, and their device (``[(shape, device), ...]``, each distinct once)."""
+    out = []
+    for module in model.modules():
+        if is_gated(module):
+            g, d = module.gate_proj, module.down_proj
+            item = ((g.in_padded, g.out_padded, d.out_padded, g.bits, g.codebook, d.bits, d.codebook),
+                    d.trellis.device)
+            if item not in out:
+                out.append(item)
+    return out
+
+
+__all__ = ["FUSABLE_GROUPS", "FusedLinears", "fuse_linears", "unfuse_linears", "fuse_gated_mlps", "is_gated",
+           "gated_shapes"]
