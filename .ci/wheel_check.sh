@@ -16,6 +16,10 @@ PIP="$WORK/venv/bin/pip"
 "$PIP" install --quiet "$WORK"/dist/exl3rt-*.whl
 X="$WORK/venv/bin/exl3rt"
 cd "$WORK"
+# the documentation the README links to is installed beside it, and --help says where
+"$X" --help > help.txt
+grep -q "documentation: $WORK/venv/share/doc/exl3rt/README.md" help.txt || { tail -3 help.txt; exit 1; }
+test -f "$WORK/venv/share/doc/exl3rt/docs/kernels.md"
 "$X" example ex --seed 1
 "$X" inspect ex
 # a tiny Llama-shaped model written with safetensors alone (no transformers in this environment)

@@ -48,6 +48,10 @@ def test_help_teaches(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     assert "exl3rt example" in text and "inspect" in text and "EXL3RT_LOG_LEVEL" in text
+    # where the README and docs/ are (here the source checkout; an installed wheel's share/doc/exl3rt)
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    assert f"documentation: {root}/README.md and {root}/docs/" in text
 
 
 def test_inspect_error_is_one_clear_line(tmp_path, capsys):

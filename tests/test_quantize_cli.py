@@ -236,10 +236,27 @@ def test_quantize_reads_and_publishes_through_the_encoding_cache(src, tmp_path, 
     assert "(15 encoded, 0 from the encoding cache" in capsys.readouterr().out
     assert main(["quantize", str(src), str(b), "--bits", "3", "--cache-dir", str(cache), "--quiet"]) == 0
     assert "(0 encoded, 15 from the encoding cache" in capsys.readouterr().out
-    ca, cb = Exl3Checkpoint(a), Exl3Checkpoint(b)
+    # an export from the cache alone: the same codes; what it lacks stops it before OUT exists
+    c = tmp_path / "c"
+    assert main(["quantize", str(src), str(c), "--bits", "3", "--cache-dir", str(cache), "--quiet", "--from-cache"]) == 0
+    assert "(0 encoded, 15 from the encoding cache" in capsys.readouterr().out
+    before = sorted(p.name for p in cache.rglob("*"))
+    # (--bits 4 changes every decoder layer; the head keeps --head-bits)
+    for args, why in (((str(cache), "--bits", "4"), "14 of 15 layers are not in the encoding cache"),
+                      ((str(tmp_path / "empty"), "--bits", "3"), "not in the encoding cache at"),
+                      ((str(cache), "--bits", "3", "--bits-for", "*.down_proj=4"), "2 of 15 layers")):
+        d = tmp_path / "d"
+        assert main(["quantize", str(src), str(d), "--cache-dir", args[0], *args[1:], "--quiet", "--from-cache"]) != 0
+        err = capsys.readouterr().err
+        assert why in err and "--from-cache" in err and not d.exists(), err
+    assert main(["quantize", str(src), str(d), "--bits", "3", "--cache-mode", "off", "--from-cache"]) != 0
+    assert "cache" in capsys.readouterr().err and not d.exists()
+    assert sorted(p.name for p in cache.rglob("*")) == before          # an export never writes to the cache
+    ca, cb, cc = Exl3Checkpoint(a), Exl3Checkpoint(b), Exl3Checkpoint(c)
     for li in ca.linears():
-        x, y = ca.load_linear(li.name), cb.load_linear(li.name)
-        assert torch.equal(x.trellis, y.trellis) and torch.equal(x.suh, y.suh) and torch.equal(x.svh, y.svh)
+        x, y, z = ca.load_linear(li.name), cb.load_linear(li.name), cc.load_linear(li.name)
+        for t in ("trellis", "suh", "svh"):
+            assert torch.equal(getattr(x, t), getattr(y, t)) and torch.equal(getattr(x, t), getattr(z, t))
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     summary = exl3rt.quantize_model(model, exl3rt.Exl3Config(bits=3, cache_dir=str(cache), progress=False),
                                     progress=False)

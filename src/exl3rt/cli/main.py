@@ -39,8 +39,20 @@ Try it:
 EPILOG = "environment variables:\n" + env.describe()
 
 
+def docs_dir() -> Optional[str]:
+    """Where the documentation is: the source checkout this module runs from (an editable install), else the copy
+    installed with the wheel (``<prefix>/share/doc/exl3rt``); None when neither is there."""
+    from pathlib import Path
+    for root in (Path(__file__).resolve().parents[3], Path(sys.prefix) / "share" / "doc" / "exl3rt"):
+        if (root / "docs" / "architecture.md").is_file():
+            return str(root)
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="exl3rt", description=DESCRIPTION, epilog=EPILOG,
+    where = docs_dir()
+    epilog = EPILOG + (f"\ndocumentation: {where}/README.md and {where}/docs/" if where else "")
+    parser = argparse.ArgumentParser(prog="exl3rt", description=DESCRIPTION, epilog=epilog,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"exl3rt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -27,6 +27,7 @@ examples:
   exl3rt quantize ./SmolLM2-135M ./SmolLM2-135M-exl3-4.0 --bits 4
   exl3rt quantize ./model ./model-exl3 --bits 3 --bits-for '*.down_proj=4' --codebook mul1
   exl3rt quantize ./model ./model-exl3 --bits 4 --calibrate wiki.txt --calib-rows 64
+  exl3rt quantize ./model ./model-exl3 --bits 4 --from-cache   # what an online load already encoded
 """
 
 
@@ -58,6 +59,10 @@ def add_parser(sub: Any) -> None:
                    help="encoding cache: layers it holds are read, not encoded (default: EXL3RT_CACHE_MODE or "
                         "readwrite; the keys are those of online quantization)")
     p.add_argument("--cache-dir", metavar="DIR", help="encoding cache root (default: EXL3RT_CACHE_DIR or ~/.cache/exl3rt)")
+    p.add_argument("--from-cache", action="store_true",
+                   help="export a checkpoint from the encoding cache alone: encode nothing; every layer must be "
+                        "cached already (by an earlier quantize or online load with the same bits, codebook and "
+                        "seed), checked before OUT is written")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -71,7 +76,11 @@ def _cache(args: argparse.Namespace) -> Any:
     from ..cache import CacheMode, EncodingCache, parse_cache_mode
 
     mode = parse_cache_mode(args.cache_mode)
-    return None if mode == CacheMode.OFF else EncodingCache(root=args.cache_dir, mode=mode)
+    if mode == CacheMode.OFF:
+        return None
+    if args.from_cache:         # an export reads; it never publishes
+        mode = CacheMode.READONLY
+    return EncodingCache(root=args.cache_dir, mode=mode)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         args.src, args.out, bits=_bits(args.bits), codebook=args.codebook, head_bits=_bits(args.head_bits),
         seed=args.seed, keep=tuple(args.keep), overrides=tuple(parse_overrides(args.bits_for)),
         hessians=hessians, calibration_id=calib_id, backend=args.backend, device=args.device,
-        overwrite=args.overwrite, progress=not args.quiet, cache=_cache(args),
+        overwrite=args.overwrite, progress=not args.quiet, cache=_cache(args), cache_only=args.from_cache,
     )
     err = summary["mean_proxy_err"]
     print(f"wrote {summary['out']}: {summary['linears']} linears ({summary['encoded']} encoded, "

@@ -151,13 +151,16 @@ def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codeboo
                        hessians: Optional[Callable[[str], Optional[torch.Tensor]]] = None,
                        calibration_id: Optional[str] = None, backend: str = "auto",
                        device: str | torch.device = "cpu", overwrite: bool = False, progress: bool = True,
-                       max_shard_bytes: Optional[int] = None, cache: Any = None) -> dict[str, Any]:
+                       max_shard_bytes: Optional[int] = None, cache: Any = None,
+                       cache_only: bool = False) -> dict[str, Any]:
     """Convert the HF checkpoint at ``src_path`` to EXL3 in ``out``; returns a summary dict.
 
     ``hessians(name)`` gives a layer's ``XᵀX/n`` (calibrated mode) or None; ``calibration_id``
     identifies that data for resumption. ``cache`` (an :class:`~exl3rt.cache.EncodingCache`): each layer is
     read from it when it holds the layer's encoding, else encoded and published — the keys are those of online
-    quantization, so a model encoded either way is a read for the other.
+    quantization, so a model encoded either way is a read for the other. ``cache_only``: export from the cache
+    alone, encoding nothing: every layer (not already finished in OUT's work folder) must be in ``cache``,
+    checked before OUT is touched; a missing one is an :class:`EncodeError` naming it.
     """
     t0 = time.perf_counter()
     src = TensorFiles(src_path)
@@ -174,15 +177,47 @@ def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codeboo
         if work.is_dir() and _same_job(work / JOB_NAME, digest):
             return _finish_cleanup(out, work, plan, t0)
         raise EncodeError(f"{out}: already holds a model (config.json); choose a new directory or --overwrite")
+    keys = _cached_keys(src, plan, cache, seed, hessians, work) if cache_only else None
     made_out, made_work = not out.exists(), not work.exists()
     lock = _lock_work(work, out)
     try:
         return _convert_locked(src, out, plan, record, digest, made_out=made_out, made_work=made_work,
                                overwrite=overwrite, seed=seed, hessians=hessians, calibration_id=calibration_id,
                                backend=backend, device=device, progress=progress,
-                               max_shard_bytes=max_shard_bytes, t0=t0, lock=lock, cache=cache)
+                               max_shard_bytes=max_shard_bytes, t0=t0, lock=lock, cache=cache, keys=keys)
     finally:
         lock.release()
+
+
+def _cache_key(cache: Any, src: TensorFiles, job: LinearJob, seed: int, hessian: Optional[torch.Tensor]) -> Any:
+    """The online path's key of ``job``: the HF ``[out, in]`` weight's bytes as stored."""
+    return cache.key_for_weight(src.tensor(job.weight), bits=job.bits, codebook=job.codebook,
+                                seed=module_seed(job.name, seed), hessian=hessian, tp_size=1, tp_rank=0,
+                                tp_bounds=None, out_scales=True)
+
+
+def _cached_keys(src: TensorFiles, plan: ConversionPlan, cache: Any, seed: int,
+                 hessians: Optional[Callable[[str], Optional[torch.Tensor]]], work: Path) -> dict[str, Any]:
+    """Every layer's cache key for an export from the cache alone, checked to have an entry (layers already
+    finished in ``work`` need none); raises EncodeError listing the missing ones before anything is written."""
+    if cache is None:
+        raise EncodeError("exporting from the encoding cache needs the cache: its mode is off "
+                          "(drop --cache-mode off / EXL3RT_CACHE_MODE=off)")
+    keys, missing = {}, []
+    for job in plan.linears:
+        if layer_path(work / "layers", job.name).exists():
+            continue
+        key = _cache_key(cache, src, job, seed, hessians(job.name) if hessians else None)
+        keys[job.name] = key
+        if not cache.path_for(key).exists():
+            missing.append(f"{job.name} (K={job.bits})")
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise EncodeError(f"{len(missing)} of {len(plan.linears)} layers are not in the encoding cache at "
+                          f"{cache.root}: {shown}. Encode them once (exl3rt quantize without --from-cache, or an "
+                          f"online load with the same bits, codebook and seed), or point --cache-dir at the cache "
+                          f"that holds them")
+    return keys
 
 
 def _same_job(job_file: Path, digest: str) -> bool:
@@ -213,7 +248,8 @@ def _convert_locked(src: TensorFiles, out: Path, plan: ConversionPlan, record: d
                     made_out: bool, made_work: bool, overwrite: bool, seed: int,
                     hessians: Optional[Callable[[str], Optional[torch.Tensor]]], calibration_id: Optional[str],
                     backend: str, device: str | torch.device, progress: bool, max_shard_bytes: Optional[int],
-                    t0: float, lock: filelock.BaseFileLock, cache: Any = None) -> dict[str, Any]:
+                    t0: float, lock: filelock.BaseFileLock, cache: Any = None,
+                    keys: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     work = out / WORK_DIR
     layers_dir = work / "layers"
     job_file = work / JOB_NAME
@@ -254,16 +290,18 @@ def _convert_locked(src: TensorFiles, out: Path, plan: ConversionPlan, record: d
             h = hessians(job.name) if hessians else None
 
             def encode():
+                if keys is not None:    # an export from the cache: its entry was there a moment ago
+                    raise EncodeError(f"{job.name}: its encoding cache entry vanished or is invalid; run without "
+                                      f"--from-cache to encode it")
                 return quantize_weight(w.to(device), job.bits, job.codebook, hessian=h,
                                        seed=module_seed(job.name, seed), backend=backend, name=job.name,
                                        progress=lambda tiles: bar.update(256 * tiles))
             try:
                 if cache is None:
                     lin = encode()
-                else:       # the online path's key: the HF [out, in] weight's bytes as stored
-                    key = cache.key_for_weight(src.tensor(job.weight), bits=job.bits, codebook=job.codebook,
-                                               seed=module_seed(job.name, seed), hessian=h, tp_size=1, tp_rank=0,
-                                               tp_bounds=None, out_scales=True)
+                else:
+                    key = keys.get(job.name) if keys is not None else None
+                    key = key or _cache_key(cache, src, job, seed, h)
                     res = cache.load_or_encode(key, encode, device="cpu", name=job.name)
                     lin = res.encoded
                     if res.hit:
