@@ -21,7 +21,7 @@ from exl3rt.runtime.config import Exl3ConfigError
 
 def test_importing_exl3rt_and_the_plugin_package_does_not_import_vllm():
     code = ("import sys, exl3rt, exl3rt.integrations.vllm, exl3rt.integrations.vllm.shards, "
-            "exl3rt.integrations.vllm.slicing, exl3rt.integrations.vllm.settings, exl3rt.integrations.vllm.experts; "
+            "exl3rt.integrations.vllm.slicing, exl3rt.integrations.vllm.settings, exl3rt.integrations.vllm.moe_experts; "
             "print('vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -136,7 +136,7 @@ def test_online_encoder_rank_local_keys(tmp_path, monkeypatch):
     assert (piece.out_features, piece.in_features) == (128, 128) and piece.digest() != whole.digest()
 
 
-# ---- MoE experts (integrations/vllm/experts.py) ----------------------------------------------------------
+# ---- MoE experts (integrations/vllm/moe_experts.py) ----------------------------------------------------------
 def _expert_linears(h: int, i: int, k: int, seed: int, gated: bool = True) -> dict:
     from exl3rt.format.encoded import EncodedLinear
     from exl3rt.runtime.linear import Exl3Linear
@@ -156,7 +156,7 @@ class _Scope:
 
 
 def _moe_runner(experts, *, top_k=2, max_batched=64, moe_runtime=None, warmed=None, cache=None, scope=None):
-    from exl3rt.integrations.vllm.experts import Exl3VllmMoE
+    from exl3rt.integrations.vllm.moe_experts import Exl3VllmMoE
     from exl3rt.moe import MoERuntimeCache, MoESettings, Owner, reference_launch_factory
 
     h = experts[0]["up_proj"].in_features
@@ -176,7 +176,7 @@ def _routes(t: int, e: int, k: int, seed: int = 0):
 
 
 def test_expert_slice_bounds_keys_and_block_errors():
-    from exl3rt.integrations.vllm.experts import expert_slice
+    from exl3rt.integrations.vllm.moe_experts import expert_slice
     from exl3rt.moe import rank_bounds
 
     whole = expert_slice("m.experts", 128, 768, 1, 0)
@@ -195,7 +195,7 @@ def test_expert_slice_bounds_keys_and_block_errors():
 
 
 def test_expert_bits_follow_the_transformers_precedence():
-    from exl3rt.integrations.vllm.experts import expert_bits
+    from exl3rt.integrations.vllm.moe_experts import expert_bits
     from exl3rt.runtime.config import Exl3Config
     from exl3rt.runtime.router_stats import TopRouted
 
@@ -216,7 +216,7 @@ def test_expert_bits_follow_the_transformers_precedence():
 
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 def test_moe_runtime_equals_the_per_route_loop_plans_once_and_warms(ids_dtype):
-    from exl3rt.integrations.vllm.experts import VllmExpert
+    from exl3rt.integrations.vllm.moe_experts import VllmExpert
     from exl3rt.moe.tp import moe_partial
 
     experts = [VllmExpert(_expert_linears(128, 256, k, e), expert=e) for e, k in enumerate((3, 4, 3, 4))]
@@ -238,7 +238,7 @@ def test_moe_runtime_equals_the_per_route_loop_plans_once_and_warms(ids_dtype):
 
 
 def test_moe_mixed_k_expert_falls_back_to_the_loop_or_raises():
-    from exl3rt.integrations.vllm.experts import VllmExpert
+    from exl3rt.integrations.vllm.moe_experts import VllmExpert
     from exl3rt.moe.tp import moe_partial
     from exl3rt.runtime.policy import PolicyError
 
@@ -257,7 +257,7 @@ def test_moe_mixed_k_expert_falls_back_to_the_loop_or_raises():
 
 
 def test_moe_reference_path_refuses_cuda_graph_capture(monkeypatch):
-    import exl3rt.integrations.vllm.experts as ex
+    import exl3rt.integrations.vllm.moe_experts as ex
 
     runner = _moe_runner([ex.VllmExpert(_expert_linears(128, 128, 3, e), expert=e) for e in range(2)], top_k=1)
     x = torch.randn(2, 128)
@@ -272,7 +272,7 @@ def test_tp_rank_partials_sum_to_the_whole_expert():
     """Rank r of 2 holds intermediate columns [128r, 128(r+1)) of every expert (vLLM's split, equal to
     exl3rt.moe.rank_bounds); the sum of the ranks' outputs (vLLM's all-reduce) is the whole layer."""
     from exl3rt.format.encoded import EncodedLinear
-    from exl3rt.integrations.vllm.experts import VllmExpert, expert_slice
+    from exl3rt.integrations.vllm.moe_experts import VllmExpert, expert_slice
     from exl3rt.moe import slice_encoded
     from exl3rt.runtime.linear import Exl3Linear
 
@@ -296,7 +296,7 @@ def test_tp_rank_partials_sum_to_the_whole_expert():
 
 
 def test_online_encoder_rank_local_expert_keys(tmp_path, monkeypatch):
-    from exl3rt.integrations.vllm.experts import expert_slice
+    from exl3rt.integrations.vllm.moe_experts import expert_slice
     from exl3rt.runtime.config import Exl3Config
     from exl3rt.runtime.online import OnlineEncoder
 
@@ -337,7 +337,7 @@ def _stored_expert(h: int, i: int, k: int, seed: int) -> dict:
 def _collect(prefix: str, stored: list, sl):
     """A StoredExperts fed every tensor of ``stored`` (one ``{proj: {field: tensor}}`` per expert) as vLLM's
     expert loader hands them over."""
-    from exl3rt.integrations.vllm.experts import GATED, StoredExperts
+    from exl3rt.integrations.vllm.moe_experts import GATED, StoredExperts
 
     col = StoredExperts(prefix, len(stored), GATED, sl)
     for e, ex in enumerate(stored):
@@ -353,7 +353,7 @@ def test_stored_experts_rank_slices_equal_the_hand_sliced_reconstruction(tp_size
     them over: each rank's matrices are the 128-block slice of the full reconstruction (gate/up: output
     columns [c0, c1), down: input rows [c0, c1)), and their K is the stored one. At TP 4 (192 columns per
     rank) [c0, c1) covers the rank's [i0, i1) with whole blocks and down's rows outside [i0, i1) are zero."""
-    from exl3rt.integrations.vllm.experts import expert_slice
+    from exl3rt.integrations.vllm.moe_experts import expert_slice
 
     h, i, ks = 128, 768, (3, 2, 4)
     stored = [_stored_expert(h, i, k, e) for e, k in enumerate(ks)]
@@ -381,7 +381,7 @@ def test_stored_experts_rank_slices_equal_the_hand_sliced_reconstruction(tp_size
 
 def test_stored_experts_errors_name_the_tensor_and_the_fix():
     from exl3rt.format.errors import FormatError
-    from exl3rt.integrations.vllm.experts import GATED, StoredExperts, expert_slice
+    from exl3rt.integrations.vllm.moe_experts import GATED, StoredExperts, expert_slice
 
     sl = expert_slice("model.layers.2.mlp.experts", 128, 256, 1, 0)
     col = StoredExperts("model.layers.2.mlp.experts", 2, GATED, sl)
@@ -404,7 +404,7 @@ def test_rank_sliced_checkpoint_gives_the_same_codes_as_slicing_stored_experts(t
     """A rank-sliced checkpoint (exl3rt.moe.rank_checkpoint, TP 2) read rank-locally gives, per rank, exactly the
     codes the per-expert loader cuts from the whole experts; a rank layer for another slice is refused."""
     from exl3rt.format.encoded import EncodedLinear
-    from exl3rt.integrations.vllm.experts import GATED, expert_slice, rank_layer_experts
+    from exl3rt.integrations.vllm.moe_experts import GATED, expert_slice, rank_layer_experts
     from exl3rt.moe.rank_checkpoint import load_rank_sliced, save_rank_sliced
 
     h, i, ks = 128, 256, (4, 3)

@@ -22,7 +22,7 @@ PROMPTS = [[1, 5, 9, 12, 7], [1, 20, 3, 3, 17, 30, 8]]
 
 
 def _inspect(model):
-    from exl3rt.integrations.vllm.config import Exl3VllmConfig
+    from exl3rt.integrations.vllm.quant_config import Exl3VllmConfig
     from exl3rt.integrations.vllm.checkpoint_method import Exl3CheckpointHeadMethod, Exl3CheckpointLinearMethod
     from exl3rt.integrations.vllm.online_method import Exl3OnlineLinearMethod
     from exl3rt.integrations.vllm.moe_method import Exl3MoEMethodBase

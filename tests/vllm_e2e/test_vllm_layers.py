@@ -35,7 +35,7 @@ def _codes(in_f: int, out_f: int, k: int, seed: int):
 
 def _config():
     from exl3rt.integrations.vllm import register
-    from exl3rt.integrations.vllm.config import Exl3VllmConfig
+    from exl3rt.integrations.vllm.quant_config import Exl3VllmConfig
 
     register()
     cfg = Exl3VllmConfig({"quant_method": "exl3", "mode": "checkpoint"})

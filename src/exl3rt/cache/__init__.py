@@ -20,7 +20,7 @@ link. Do not point several users at one shared cache directory; give each its ow
 and mount it read-only with mode ``readonly``.
 """
 
-from .config import CacheMode, default_cache_root, parse_cache_mode
+from .modes import CacheMode, default_cache_root, parse_cache_mode
 from .entry import CacheEntryInfo, read_entry
 from .errors import CacheError, InvalidEntryError
 from .key import CacheKey, tensor_digest

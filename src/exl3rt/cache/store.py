@@ -34,7 +34,7 @@ import torch
 from ..format.encoded import EncodedLinear
 from ..format.errors import FormatError
 from ..util.fs import atomic_path, temp_files, temp_target
-from .config import CacheMode, parse_cache_mode, resolve_root
+from .modes import CacheMode, parse_cache_mode, resolve_root
 from .entry import (SUFFIX, CacheEntryInfo, check_encoding, entry_info, entry_payload, file_kind, nonfinite_reason,
                     proxy_err_of, read_entry, remove_quietly, write_entry)
 from .errors import CacheError, InvalidEntryError

@@ -11,7 +11,7 @@ import sys
 from typing import Any, Optional
 
 from ..cache import CacheError, CacheMode, EncodingCache
-from ..cache.config import resolve_root
+from ..cache.modes import resolve_root
 from ..util.units import fmt_bytes
 
 HELP = "list, check and prune the persistent encoding cache"

@@ -3,7 +3,7 @@
 - :mod:`.tiers`: experts grouped by bitrate, the tier-ordered (combined) namespace, descriptors, rotations.
 - :mod:`.routing`: top-k ids -> per-expert route blocks (torch reference, graph-friendly shapes).
 - :mod:`.plan`: settings, decode/prefill plans, row slicing, the prefill block policy.
-- :mod:`.runtime`: launches shared across layers by key, per-layer bindings, owners (target vs draft).
+- :mod:`.launches`: launches shared across layers by key, per-layer bindings, owners (target vs draft).
 - :mod:`.reference`: the torch reference launch (end-to-end on any device).
 - :mod:`.triton_launch`: the Triton launch (tiered kernels of :mod:`exl3rt.kernels.moe`).
 - :mod:`.tp` / :mod:`.rank_checkpoint`: tensor-parallel expert slicing, rank-sliced checkpoints (docs/moe_tp.md).
@@ -15,7 +15,7 @@ from .plan import (DeviceFacts, LayerGeometry, MoESettings, Plan, PlanError, Pla
 from .prewarm import moe_layers, prewarm
 from .reference import DenseExpert, ReferenceLaunch, expert_from_linears, reference_launch_factory
 from ..kernels.routing import NO_EXPERT, RoutePack, max_route_blocks, pack_routes, route_capacity
-from .runtime import (MOE_ATTR, Launch, MoELayerRuntime, MoERuntime, MoERuntimeCache, Owner, RuntimeKey,
+from .launches import (MOE_ATTR, Launch, MoELayerRuntime, MoERuntime, MoERuntimeCache, Owner, RuntimeKey,
                       ScratchArena, attach, is_capturing, is_draft_name, scope_token)
 from .triton_launch import AutoLaunch, TritonMoELaunch, auto_launch_factory, fused_supported, triton_launch_factory
 from .tp import (TPError, dense_experts, expert_shape, moe_partial, rank_bounds, slice_encoded, slice_expert,

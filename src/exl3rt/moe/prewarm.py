@@ -5,7 +5,7 @@ compiles and allocates while the KV cache already holds the memory it would need
 that OOM'd. :func:`prewarm` therefore runs after the eager pass that plans each layer and before
 KV-cache sizing:
 
-    for every module carrying a MoELayerRuntime (see ``exl3rt.moe.runtime.attach``):
+    for every module carrying a MoELayerRuntime (see ``exl3rt.moe.launches.attach``):
         fail closed if the layer was never planned
         for every runtime it uses (each shared runtime once), every plan (decode, prefill),
         both ends of each route block's range in each row bucket (Plan.warm_rows),
@@ -22,7 +22,7 @@ import logging
 import torch
 
 from ..kernels.routing import ID_DTYPES
-from .runtime import MOE_ATTR, MoELayerRuntime
+from .launches import MOE_ATTR, MoELayerRuntime
 
 log = logging.getLogger("exl3rt.moe")
 

@@ -13,7 +13,7 @@ test's own function. The launch binds a layer by reordering its per-expert calla
 combined (tier) order and moving the global→combined map to the device, once per layer.
 
 It is a reference (one host sync per call to count the live blocks), not a fast path; the fused
-kernel implements the same :class:`~exl3rt.moe.runtime.Launch` hooks.
+kernel implements the same :class:`~exl3rt.moe.launches.Launch` hooks.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .plan import Plan
 from ..kernels.routing import RoutePack, pack_routes
-from .runtime import MoELayerRuntime, RuntimeKey, ScratchArena
+from .launches import MoELayerRuntime, RuntimeKey, ScratchArena
 
 Expert = Callable[[torch.Tensor], torch.Tensor]
 
@@ -64,7 +64,7 @@ class ReferenceBinding:
 
 
 class ReferenceLaunch:
-    """:class:`~exl3rt.moe.runtime.Launch` in plain torch (any device); see the module docstring."""
+    """:class:`~exl3rt.moe.launches.Launch` in plain torch (any device); see the module docstring."""
 
     def __init__(self, key: RuntimeKey, plan: Plan, arena: ScratchArena):
         self.key = key
@@ -110,7 +110,7 @@ class ReferenceLaunch:
 
 
 def reference_launch_factory(key: RuntimeKey, plan: Plan, arena: ScratchArena) -> ReferenceLaunch:
-    """The :data:`~exl3rt.moe.runtime.LaunchFactory` of the reference launch."""
+    """The :data:`~exl3rt.moe.launches.LaunchFactory` of the reference launch."""
     return ReferenceLaunch(key, plan, arena)
 
 

@@ -1,4 +1,4 @@
-"""The Triton MoE launch: :class:`~exl3rt.moe.runtime.Launch` hooks around :func:`exl3rt.kernels.moe.exl3_moe`.
+"""The Triton MoE launch: :class:`~exl3rt.moe.launches.Launch` hooks around :func:`exl3rt.kernels.moe.exl3_moe`.
 
 ``bind(layer)`` turns the layer's experts into :class:`~exl3rt.kernels.moe.MoEWeights` once (tier
 stacks of the trellis, rotation tables in combined order, descriptors): ``layer.weights`` is either a
@@ -21,7 +21,7 @@ import torch
 
 from ..format.bits import words16_per_tile
 from .plan import Plan
-from .runtime import MoELayerRuntime, RuntimeKey, ScratchArena
+from .launches import MoELayerRuntime, RuntimeKey, ScratchArena
 from .tiers import DESCRIPTOR_NARROW_SHIFT, DESCRIPTOR_WIDE_SHIFT
 
 
@@ -98,7 +98,7 @@ class TritonMoELaunch:
 
 
 def triton_launch_factory(key: RuntimeKey, plan: Plan, arena: ScratchArena) -> TritonMoELaunch:
-    """The :data:`~exl3rt.moe.runtime.LaunchFactory` of the Triton launch."""
+    """The :data:`~exl3rt.moe.launches.LaunchFactory` of the Triton launch."""
     return TritonMoELaunch(key, plan, arena)
 
 
@@ -157,7 +157,7 @@ class AutoLaunch:
 
 def auto_launch_factory(key: RuntimeKey, plan: Plan, arena: ScratchArena, *,
                         prefer_triton: bool | None = None) -> AutoLaunch:
-    """The default :data:`~exl3rt.moe.runtime.LaunchFactory`: :class:`AutoLaunch`."""
+    """The default :data:`~exl3rt.moe.launches.LaunchFactory`: :class:`AutoLaunch`."""
     return AutoLaunch(key, plan, arena, prefer_triton=prefer_triton)
 
 

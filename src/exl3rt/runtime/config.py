@@ -276,7 +276,7 @@ class Exl3Config:
 
 def _check_cache_mode(value: Any) -> str:
     """The canonical cache-mode name, or Exl3ConfigError listing the valid ones."""
-    from ..cache.config import CacheMode, parse_cache_mode
+    from ..cache.modes import CacheMode, parse_cache_mode
 
     try:
         return str(parse_cache_mode(value))

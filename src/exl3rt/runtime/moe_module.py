@@ -35,7 +35,7 @@ from torch import nn
 
 from ..moe import (MOE_ATTR, MoELayerRuntime, MoERuntimeCache, MoESettings, Owner, TierError,
                    TierLayout, attach, auto_launch_factory, tier_rotations, tiers_from_experts)
-from ..moe.runtime import LaunchFactory
+from ..moe.launches import LaunchFactory
 from .config import Exl3Config
 from .experts import Exl3Experts
 from .linear import Exl3Linear

@@ -17,7 +17,7 @@ from __future__ import annotations
 def register() -> None:
     """Register quantization method ``"exl3"`` with vLLM. Re-entrant (a second call changes nothing)."""
     from ._compat import register_quantization_config
-    from .config import NAME, Exl3VllmConfig
+    from .quant_config import NAME, Exl3VllmConfig
     from vllm.model_executor.layers.quantization import get_quantization_config, QUANTIZATION_METHODS
 
     if NAME in QUANTIZATION_METHODS:

@@ -31,7 +31,7 @@ from .shards import block_cover, check_block_aligned, head_shard
 from .slicing import rank_piece
 
 if TYPE_CHECKING:
-    from .config import Exl3VllmConfig
+    from .quant_config import Exl3VllmConfig
 
 log = logging.getLogger("exl3rt.vllm")
 

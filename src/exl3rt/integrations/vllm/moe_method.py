@@ -11,7 +11,7 @@ slicing of the intermediate dim) and turns on vLLM's layer-wise online processin
 the layer are in, vLLM materializes the layer, replays the loads and calls
 :meth:`process_weights_after_loading`, which encodes every expert's gate/up/down through exl3rt's
 :class:`~exl3rt.runtime.online.OnlineEncoder` (cache hit or encode + publish) and builds the layer's
-:class:`~exl3rt.integrations.vllm.experts.Exl3VllmMoE`; the BF16 tensors are then dropped. Peak extra
+:class:`~exl3rt.integrations.vllm.moe_experts.Exl3VllmMoE`; the BF16 tensors are then dropped. Peak extra
 memory while loading is one MoE layer of BF16.
 
 ``apply`` gets vLLM's routing (``topk_ids``/``topk_weights`` from the layer's router) and returns this
@@ -31,12 +31,12 @@ from ...format.bits import Bits
 from ...format.errors import FormatError
 from ...runtime.linear import Exl3Linear
 from ._compat import FusedMoEMethodBase, initialize_online_processing, set_weight_attrs
-from .experts import (FIELDS, GATED, SHARD_PROJS, UNGATED, ExpertSlice, Exl3VllmMoE, StoredExperts, VllmExpert,
+from .moe_experts import (FIELDS, GATED, SHARD_PROJS, UNGATED, ExpertSlice, Exl3VllmMoE, StoredExperts, VllmExpert,
                       activation, expert_slice, rank_layer_experts)
 from .shards import ShardError
 
 if TYPE_CHECKING:
-    from .config import Exl3VllmConfig
+    from .quant_config import Exl3VllmConfig
 
 log = logging.getLogger("exl3rt.vllm")
 

@@ -23,7 +23,7 @@ from .layout import plan_shards
 from .forward import exl3_apply, warm_layer_kernels
 
 if TYPE_CHECKING:
-    from .config import Exl3VllmConfig
+    from .quant_config import Exl3VllmConfig
 
 log = logging.getLogger("exl3rt.vllm")
 

@@ -184,7 +184,7 @@ class Exl3VllmConfig(QuantizationConfig):
         return Exl3OnlineLinearMethod(self, prefix, names, bits)
 
     def _online_moe_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
-        from .experts import GATED, UNGATED, activation, expert_bits
+        from .moe_experts import GATED, UNGATED, activation, expert_bits
         from .moe_method import Exl3OnlineMoEMethod, activation_name
 
         cfg = self.online
@@ -197,7 +197,7 @@ class Exl3VllmConfig(QuantizationConfig):
         return Exl3OnlineMoEMethod(self, prefix, moe, bits)
 
     def _checkpoint_moe_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
-        from .experts import GATED, UNGATED, activation
+        from .moe_experts import GATED, UNGATED, activation
         from .moe_method import Exl3CheckpointMoEMethod, activation_name
 
         moe = layer.moe_config
