@@ -105,26 +105,20 @@ def test_gemm_path_decode_then_matmul():
     ("mul1", 1.5, (128, 128), 9, (1, 2, 2)),
     ("mul1", 2.5, (256, 128), 1, (2, 2, 1)),
     ("mul1", 3.5, (128, 128), 6, (1, 1, 8)),
-    # ksplit: the warps split the k-tiles (k-tiles per split not a multiple of the warps: idle tail warps)
-    ("mcg", 4, (256, 128), 1, (2, 4, 2, True)),
-    ("mcg", 3, (384, 128), 17, (1, 2, 2, True)),
-    ("mul1", 2.5, (128, 256), 5, (2, 4, 1, True)),
-    ("3inst", 6, (256, 128), 16, (1, 2, 3, True)),
     # row blocks: one decode serves 2 or 4 blocks of 16 rows (last block partial / absent)
-    ("mcg", 4, (256, 128), 37, (2, 1, 2, False, 2)),
-    ("mul1", 2.5, (128, 256), 50, (1, 2, 2, False, 4)),
-    ("3inst", 3, (256, 128), 20, (1, 2, 2, True, 2)),
+    ("mcg", 4, (256, 128), 37, (2, 1, 2, 2)),
+    ("mul1", 2.5, (128, 256), 50, (1, 2, 2, 4)),
+    ("3inst", 3, (256, 128), 20, (1, 2, 2, 2)),
     # swap: the decoded tile as the A operand, 8 rows per row block
-    ("mcg", 4, (256, 128), 1, (2, 1, 4, False, 1, True)),
-    ("mcg", 3, (128, 256), 8, (1, 2, 2, False, 1, True)),
-    ("mul1", 2.5, (256, 128), 11, (2, 2, 3, False, 1, True)),
-    ("3inst", 6, (128, 128), 5, (1, 1, 8, False, 1, True)),
-    # unroll (k-tiles per loop iteration) against the default for the K: one split of 24 k-tiles over 8
-    # k-split warps leaves each warp 3, so the second k-tile of its last iteration lies past the split
-    ("mcg", 4, (384, 128), 3, (1, 8, 0, True, 1, False, 2)),
-    ("mcg", 4, (256, 128), 2, (2, 1, 4, False, 1, True, 1)),
-    ("3inst", 6, (256, 128), 9, (1, 2, 3, False, 1, False, 2)),
-    ("mul1", 2.5, (128, 256), 20, (1, 2, 2, False, 2, False, 1)),
+    ("mcg", 4, (256, 128), 1, (2, 1, 4, 1, True)),
+    ("mcg", 3, (128, 256), 8, (1, 2, 2, 1, True)),
+    ("mul1", 2.5, (256, 128), 11, (2, 2, 3, 1, True)),
+    ("3inst", 6, (128, 128), 5, (1, 1, 8, 1, True)),
+    # unroll (k-tiles per loop iteration) set against the default for the K
+    ("mcg", 4, (384, 128), 3, (1, 2, 4, 1, False, 2)),
+    ("mcg", 4, (256, 128), 2, (2, 1, 4, 1, True, 1)),
+    ("3inst", 6, (256, 128), 9, (1, 2, 3, 1, False, 2)),
+    ("mul1", 2.5, (128, 256), 20, (1, 2, 2, 2, False, 1)),
 ])
 def test_mma_matches_reconstruct(codebook, bits, shape, rows, cfg):
     """The warp-level mma GEMV (interpreter: its per-lane decode feeds an emulation of the mma;
@@ -135,10 +129,10 @@ def test_mma_matches_reconstruct(codebook, bits, shape, rows, cfg):
     x = torch.randn(rows, in_p, generator=torch.Generator().manual_seed(rows))
     ref = x.double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), codebook, dtype=torch.float64)
     nt, nw, tp, *more = cfg
-    ks, mb, sw, un = (list(more) + [False, 1, False, 0][len(more):])[:4]
+    mb, sw, un = (list(more) + [1, False, 0][len(more):])[:3]
     y = kl.exl3_linear(x.to(DEV), tr, suh, svh, codebook, path="mma",
-                       mma_cfg=kl.MmaConfig(nt=nt, num_warps=nw, target_programs=tp, ksplit=ks, row_blocks=mb,
-                                            swap=sw, unroll=un))
+                       mma_cfg=kl.MmaConfig(nt=nt, num_warps=nw, target_programs=tp, row_blocks=mb, swap=sw,
+                                            unroll=un))
     assert y.shape == (rows, out_p)
     assert _rel(y, ref) < 1e-3
 
@@ -176,7 +170,7 @@ def test_swapped_mma_adds_its_splits_into_one_buffer(codebook, bits, rows, monke
 
 def _swapped_mma_sm90_ops(ka: int, nt: int, *, halves: bool, atomic: bool, **options) -> list[str]:
     """SASS instruction lines of the swapped one-warp mma kernel (MCG, K = ``ka``, ``nt`` tiles per warp, fragment-order
-    x') built for sm_90 in a fresh process (no GPU needed); ``options``: launch options such as ``maxnreg``."""
+    x') built for sm_90 in a fresh process (no GPU needed); ``options``: launch options."""
     from sass_check import build_sm90_triton
     from exl3rt.kernels import mma as _mm
     cb, mult, add = kc.cb_args("mcg")
@@ -184,38 +178,12 @@ def _swapped_mma_sm90_ops(ka: int, nt: int, *, halves: bool, atomic: bool, **opt
             "k_per": "i32", "stride_x": "i32", "stride_zs": "i32", "one": "i32",
             "seg_b1": "i32", "seg_b2": "i32", "seg_x": "i32"}
     const = dict(KA=ka, HALF=0, CB=cb, MULT=mult, ADD=add, NT=nt, WARPS=1, NWL=_mm.words_per_lane(ka), ASM=True,
-                 KSPLIT=False, MB=1, SWAP=True, PDL=False, UNROLL=_mm.default_unroll(ka), XFRAG=True, HALVES=halves,
+                 MB=1, SWAP=True, PDL=False, UNROLL=_mm.default_unroll(ka), XFRAG=True, HALVES=halves,
                  ATOMIC=atomic)
     sass = build_sm90_triton("exl3rt.kernels.mma", "mma_kernel", args, const, num_warps=1, **options)
     if sass is None:
         pytest.skip("this Triton ships no nvdisasm")
     return [ln for ln in sass.splitlines() if "/*" in ln]
-
-
-def test_register_cap_reaches_ptxas_without_spills():
-    """``MmaConfig.maxnreg`` is a launch option of the mma kernel: built for sm_90 (no GPU needed) with 2 tiles per
-    warp and a cap of 40, the SASS names no register past R39 and spills nothing (uncapped it uses more), and the
-    capped configuration computes x·W like the default one (interpreter here, the compiled kernel on a GPU)."""
-    import re
-    from exl3rt.kernels import mma as _mm
-    top = {}
-    for cap in (0, 40):
-        ops = _swapped_mma_sm90_ops(4, 2, halves=False, atomic=True, **({"maxnreg": cap} if cap else {}))
-        top[cap] = max(int(r) for ln in ops for r in re.findall(r"\bR(\d+)\b", ln))
-        assert not any(" STL" in ln or " LDL" in ln for ln in ops)
-    assert top[40] <= 39 < top[0]
-    tr, suh, svh = _codes(256, 128, 4, seed=3)
-    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
-    wref = x.double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), "mcg", dtype=torch.float64)
-    cfg = kl.MmaConfig(nt=2, num_warps=2, target_programs=16, swap=True, maxnreg=40)
-    assert _rel(kl.exl3_linear(x.to(DEV), tr, suh, svh, "mcg", path="mma", mma_cfg=cfg), wref) < 1e-3
-    from spec_keys import record          # and the cap is a launch option of the mma kernel, only when set
-    with pytest.MonkeyPatch.context() as mp:
-        keys = set()
-        record(mp, [(_mm, "mma_kernel")], keys)
-        for c in (cfg, kl.MmaConfig(nt=2, num_warps=2, target_programs=16, swap=True)):
-            kl.exl3_linear(x.to(DEV), tr, suh, svh, "mcg", path="mma", mma_cfg=c)
-    assert sorted(any(item[0] == "maxnreg" for item in k[1:]) for k in keys) == [False, True]
 
 
 @pytest.mark.parametrize("atomic", [False, True])
@@ -458,7 +426,7 @@ def test_swapped_mma_multiplies_the_unrounded_halves(codebook, bits, rounded, mo
     ("mcg", 4, 1, "mma", kl.MmaConfig(nt=2, num_warps=1, target_programs=4, swap=True)),
     ("mul1", 2.5, 5, "mma", kl.MmaConfig(nt=2, num_warps=2, target_programs=2, swap=True)),
     ("3inst", 3, 11, "mma", kl.MmaConfig(nt=4, num_warps=1, target_programs=2)),
-    ("mcg", 2, 20, "mma", kl.MmaConfig(nt=1, num_warps=2, target_programs=2, ksplit=True, row_blocks=2)),
+    ("mcg", 2, 20, "mma", kl.MmaConfig(nt=1, num_warps=2, target_programs=2, row_blocks=2)),
     ("mcg", 3, 7, "decode_mm", None),
     ("mcg", 4, 40, "wgmma", None),
     ("mul1", 2.5, 130, "wgmma", None),

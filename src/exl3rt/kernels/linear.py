@@ -12,8 +12,7 @@
   fragment order), x' in fp16 written by the pre-pass in fragment order (one vector load per lane and k-tile),
   fp32 accumulators; the decode costs the same for 1 or 16 rows, and at 17–32 (33–64) rows one decode feeds two
   (four) 16-row blocks (``MmaConfig.row_blocks``); up to 8 rows the decoded tile is the mma's A operand and x'ᵀ
-  the B operand (``MmaConfig.swap``: one mma per tile); ``MmaConfig.ksplit`` (a program's warps split its
-  k-tiles) is kept as an option;
+  the B operand (``MmaConfig.swap``: one mma per tile);
 * ``wgmma`` (17–256 and 417–512 rows, from 9 rows at K other than 1, 2 and 4; Hopper only:
   :func:`exl3rt.kernels.wgmma.available`): the same passes (x' row-major) around ``wgmma._wgmma_kernel`` —
   each warp decodes one n-tile's k-tiles straight into the registers of a warpgroup MMA's A operand (Qᵀ),
@@ -80,21 +79,15 @@ class DecodeConfig:
 @dataclass(frozen=True)
 class MmaConfig:
     """Launch parameters of the warp-level mma GEMV (``mma.mma_kernel``): ``nt`` n-tiles per warp,
-    ``num_warps`` warps per program, and how many programs to aim for when splitting K. ``ksplit``:
-    the program's warps share its ``nt`` tiles and split its k-tiles (summed in the kernel), instead
-    of taking ``nt`` tiles each. ``maxnreg``: a register cap for ptxas (with 2 tiles per warp the 1-8-row kernel
-    fits 40 registers without spilling, Triton 3.6 and 3.9 for sm_90, against ~62 uncapped: up to 51 resident
-    warps per multiprocessor instead of ~30, for programs of 2+ warps — one-warp programs stop at 32); no default
-    sets it: every cap tried was slower on the H200."""
+    ``num_warps`` warps per program (each with its own ``nt`` tiles), and how many programs to aim for when
+    splitting K."""
     nt: int = 8
     num_warps: int = 1
     target_programs: int = 2112
     num_stages: int = 1
-    ksplit: bool = False
     row_blocks: int = 1
     swap: bool = False   # ≤ 8 rows per row block: the tile is the mma's A operand (one mma per tile)
     unroll: int = 0      # k-tiles per loop iteration (1 or 2); 0: mma.default_unroll(K)
-    maxnreg: int = 0     # register cap per thread given to ptxas (0: its own choice): more resident warps
 
 
 # The launch configurations per row bucket: the best (or within a few % of the best) of those tried on the H200
@@ -150,7 +143,7 @@ def use_atomic(cfg: MmaConfig) -> bool:
     operands (1-8 rows, where the partials are many splits of few rows: 19-64 splits × 8 rows) unless
     ``EXL3RT_KERNEL_DETERMINISTIC`` is set: faster at 1-8 rows, slower at 16 (docs/kernels.md, "Tuned
     constants")."""
-    return cfg.swap and not cfg.ksplit and not env.KERNEL_DETERMINISTIC.get()
+    return cfg.swap and not env.KERNEL_DETERMINISTIC.get()
 
 
 MAX_SEGMENTS = 3     # a fused layer's column segments (q/k/v); the kernels take two boundaries
@@ -266,20 +259,15 @@ def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Opt
     cfg = cfg or default_mma_config(rows, bits_from_trellis(trellis))
     if xfrag and xh.shape[0] != xfrag_rows(rows, cfg):
         raise ValueError(f"fragment-ordered x' of {rows} rows: expected {xfrag_rows(rows, cfg)} rows, got {xh.shape[0]}")
-    if cfg.ksplit:
-        in_tiles, tn, nt, (ka, half), (cb, mult, add) = _geometry(trellis, codebook, cfg.nt, bounds)
-        warps, nt_warp = cfg.num_warps, nt
-    else:
-        in_tiles, tn, nt, (ka, half), (cb, mult, add) = _geometry(trellis, codebook, cfg.nt * cfg.num_warps, bounds)
-        warps = min(cfg.num_warps, nt)
-        nt_warp = nt // warps
-    if cfg.swap and (cfg.ksplit or cfg.row_blocks != 1):
-        raise ValueError(f"{cfg}: swap takes neither ksplit nor row_blocks")
+    in_tiles, tn, nt, (ka, half), (cb, mult, add) = _geometry(trellis, codebook, cfg.nt * cfg.num_warps, bounds)
+    warps = min(cfg.num_warps, nt)
+    nt_warp = nt // warps
+    if cfg.swap and cfg.row_blocks != 1:
+        raise ValueError(f"{cfg}: swap takes no row_blocks")
     n_blocks, m_blocks = tn // nt, triton.cdiv(rows, (8 if cfg.swap else 16) * cfg.row_blocks)
     bits = ka + half / 2
-    unroll = cfg.unroll or _mm.default_unroll(bits, cfg.ksplit)
-    splits, k_per = gemv_splits(in_tiles, n_blocks * m_blocks, cfg.target_programs,
-                                k_multiple=unroll * (warps if cfg.ksplit else 1))
+    unroll = cfg.unroll or _mm.default_unroll(bits)
+    splits, k_per = gemv_splits(in_tiles, n_blocks * m_blocks, cfg.target_programs, k_multiple=unroll)
     atomic = use_atomic(cfg)
     z = split_buffer("mma_rotated", acc, atomic, splits, rows, tn * 16, xh.device, alloc)
     grid = (n_blocks, splits, m_blocks)
@@ -288,10 +276,9 @@ def mma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: Opt
                           0 if atomic else z.stride(0), 1, ATOMIC=atomic,
                           KA=ka, HALF=half, CB=cb, MULT=mult, ADD=add, NT=nt_warp, WARPS=warps,
                           NWL=_mm.words_per_lane(bits), ASM=use_asm(xh.device),
-                          KSPLIT=cfg.ksplit, MB=cfg.row_blocks, SWAP=cfg.swap, UNROLL=unroll, XFRAG=xfrag,
+                          MB=cfg.row_blocks, SWAP=cfg.swap, UNROLL=unroll, XFRAG=xfrag,
                           HALVES=use_halves(xh.device, cb), num_warps=warps,
                           num_stages=cfg.num_stages, **pdl_args(xh.device),
-                          **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
                           **(dict(zip(("seg_b1", "seg_b2"), seg_tiles(bounds, tn)), seg_x=seg_x) if bounds else {}))
     return z
 

@@ -290,12 +290,11 @@ if HAVE_TRITON:
     def mma_kernel(x_ptr, w_ptr, z_ptr, rows, in_tiles, tn_total, k_per, stride_x, stride_zs, one,
                     KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
                     ADD: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr,
-                    ASM: tl.constexpr, KSPLIT: tl.constexpr, MB: tl.constexpr, SWAP: tl.constexpr,
+                    ASM: tl.constexpr, MB: tl.constexpr, SWAP: tl.constexpr,
                     PDL: tl.constexpr = False, UNROLL: tl.constexpr = 2, XFRAG: tl.constexpr = False,
                     HALVES: tl.constexpr = False, ATOMIC: tl.constexpr = False, seg_b1=0, seg_b2=0, seg_x=0):
         """z[split, m, n] = Σ_{k in split} x'[m, k]·Q[k, n] for 16·MB rows (8 with SWAP; pid 2), NT·WARPS
-        n-tiles (NT with KSPLIT: the warps split the k-tiles), one K-split. ``ATOMIC`` (not with KSPLIT; the host
-        passes ``stride_zs = 0``): every split adds into the one zeroed buffer ``z[0]`` (fp32 ``red.add``).
+        n-tiles, one K-split. ``ATOMIC`` (the host passes ``stride_zs = 0``): every split adds into the one zeroed buffer ``z[0]`` (fp32 ``red.add``).
         A fused layer (``seg_x`` > 0): the n-tiles from ``seg_b1`` (``seg_b2``) on read the x' ``seg_x`` (twice
         that) fp16 further — each column segment has its own x'."""
         # PDL: no early trigger here — the post-pass's programs would sit on SMs waiting for this grid
@@ -303,19 +302,19 @@ if HAVE_TRITON:
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
-        t0 = pid_n * NT * (1 if KSPLIT else WARPS)
+        t0 = pid_n * NT * WARPS
         x_ptr += ((t0 >= seg_b1).to(tl.int32) + (t0 >= seg_b2).to(tl.int32)) * seg_x
         a0 = pid_k * k_per
         a1 = tl.minimum(a0 + k_per, in_tiles)
         mma_pass(x_ptr, w_ptr, z_ptr + pid_k * stride_zs, rows, pid_m * (8 if SWAP else 16) * MB, a0, a1, pid_n,
-                  tn_total, stride_x, one, KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, KSPLIT, MB, SWAP, PDL, UNROLL,
+                  tn_total, stride_x, one, KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, MB, SWAP, PDL, UNROLL,
                   XFRAG, False, HALVES, ATOMIC)
 
     @triton.jit
     def mma_pass(x_ptr, w_ptr, zrow, rows, m0, a0, a1, pid_n, tn_total, stride_x, one,
                   KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
                   ADD: tl.constexpr, NT: tl.constexpr, WARPS: tl.constexpr, NWL: tl.constexpr,
-                  ASM: tl.constexpr, KSPLIT: tl.constexpr = False, MB: tl.constexpr = 1,
+                  ASM: tl.constexpr, MB: tl.constexpr = 1,
                   SWAP: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 2,
                   XFRAG: tl.constexpr = False, SKIP: tl.constexpr = False, HALVES: tl.constexpr = False,
                   ATOMIC: tl.constexpr = False):
@@ -324,12 +323,10 @@ if HAVE_TRITON:
 
         Tensors are 1-D ``[32·WARPS]`` (one element per thread: element i lives in lane i mod 32 of
         warp i div 32, the only layout Triton can give them once no load is vectorizable),
-        accumulators in tuples. Without ``KSPLIT`` warp w handles tiles ``pid_n·NT·WARPS + s·WARPS + w``
-        (s < NT) over all k-tiles; with ``KSPLIT`` the warps share tiles ``pid_n·NT + s`` and split
-        the k-tiles (warp w takes ``a0 + w, a0 + w + WARPS, …``), then sum their accumulators once
-        (through shared memory) — WARPS times fewer split-K partials for the post-pass to read.
+        accumulators in tuples. Warp w handles tiles ``pid_n·NT·WARPS + s·WARPS + w`` (s < NT) over all
+        k-tiles of the split.
 
-        ``SWAP`` (at most 8 rows, not with KSPLIT or MB > 1): the decoded tile is the mma's *A* operand
+        ``SWAP`` (at most 8 rows, not with MB > 1): the decoded tile is the mma's *A* operand
         (Qᵀ, 16 × 16: the lane's registers p01, p45, p23, p67 are exactly its A fragment) and x'ᵀ the B
         operand (16 × 8): one ``mma.m16n8k16`` per tile instead of two, 4 accumulators instead of 8.
 
@@ -341,14 +338,13 @@ if HAVE_TRITON:
         normalizing shifts (:func:`_halves_for`), each weight enters the mma as its two unrounded fp16 halves (two
         mma per tile, x' duplicated; docs/kernels.md). ``SKIP`` (MB > 1,
         fragment order): 16-row blocks with no row below ``rows`` load no x' and run no mma (the MoE's route
-        blocks, whose padding slots fill whole 16-row blocks of a 32/64-route block). ``ATOMIC`` (not with KSPLIT):
-        the results are added to ``zrow`` (``red.add.f32``) instead of stored.
+        blocks, whose padding slots fill whole 16-row blocks of a 32/64-route block). ``ATOMIC``: the results are added to ``zrow`` (``red.add.f32``) instead of stored.
         """
         RB: tl.constexpr = 8 if SWAP else 16                       # rows per row block
         HV: tl.constexpr = _halves_for(HALVES, SWAP, KA, HALF)  # this K takes the unrounded halves
         NW: tl.constexpr = 8 * KA + 4 * HALF                      # words per tile
-        STEP: tl.constexpr = WARPS if KSPLIT else 1               # k-tiles per loop iteration
-        TSTRIDE: tl.constexpr = 1 if KSPLIT else WARPS            # tile s of a warp: tile0 + s·TSTRIDE
+        STEP: tl.constexpr = 1                                    # k-tiles per loop iteration
+        TSTRIDE: tl.constexpr = WARPS                             # tile s of a warp: tile0 + s·TSTRIDE
         idx = tl.arange(0, 32 * WARPS)
         lane = idx % 32
         warp = idx // 32
@@ -356,12 +352,8 @@ if HAVE_TRITON:
         last = (e_end - 1) // 32                                  # word holding it
         rsh32 = 32 * (last + 1) - e_end                           # right padding of that word
         rsh = rsh32.to(tl.uint64)
-        if KSPLIT:
-            kw = warp                                             # the warp's k-tile offset
-            tile0 = pid_n * NT + warp * 0
-        else:
-            kw = warp * 0
-            tile0 = pid_n * NT * WARPS + warp
+        kw = warp * 0                                             # (every warp starts at a0)
+        tile0 = pid_n * NT * WARPS + warp
         # per word i: a pointer to the lane's word i of its first tile at k-tile 0 (ring offsets inside
         # the tile; ·one: no provable contiguity, so no load is vectorized and element i stays in lane
         # i mod 32, which the mma needs); tile s is s·TSTRIDE·NW words further (a load immediate)
@@ -414,8 +406,7 @@ if HAVE_TRITON:
                 zf = tl.zeros([RB * MB, WARPS, 8], tl.float32)
                 acc = acc + ((zf, zf),)
         # software pipelining: the words (and x' fragments) of the next k-tile are loaded before this
-        # one is decoded, so each lane has two tiles' loads in flight. A warp whose k-tile lies past a1
-        # (KSPLIT tail) reads the last k-tile's words but a zero x', so it adds nothing.
+        # one is decoded, so each lane has two tiles' loads in flight.
         ak = tl.minimum(a0 + kw, a1 - 1)
         wn = _load_words(wbase, ak * kstride, NT, TSTRIDE * NW, NWL)
         if PDL:
@@ -467,26 +458,6 @@ if HAVE_TRITON:
                     _put(pz + out_p, d[1], m_b, ATOMIC)
                     _put(pz + 8, d[2], m_a, ATOMIC)
                     _put(pz + out_p + 8, d[3], m_b, ATOMIC)
-            elif KSPLIT:
-                # sum the warps' accumulators; the [32] result is stored by lane index l (any layout)
-                l32 = tl.arange(0, 32)
-                cb2 = 2 * (l32 % 4)
-                offs = (0, 1, 0, 1, 8, 9, 8, 9)
-                for b in tl.static_range(MB):
-                    rb = m0 + 16 * b + l32 // 4
-                    blo = rb < rows
-                    bhi = (rb + 8) < rows
-                    for s_ in tl.static_range(NT):
-                        col = (pid_n * NT + s_) * 16 + cb2
-                        plo = zrow + rb * out_p + col
-                        phi = zrow + (rb + 8) * out_p + col
-                        d = acc[s_][b]
-                        for q in tl.static_range(8):
-                            v = tl.sum(tl.reshape(d[q], [WARPS, 32]), axis=0)
-                            if q % 4 < 2:
-                                tl.store(plo + offs[q], v, mask=blo)
-                            else:
-                                tl.store(phi + offs[q], v, mask=bhi)
             else:
                 for b in tl.static_range(MB):
                     for s_ in tl.static_range(NT):
@@ -504,19 +475,12 @@ if HAVE_TRITON:
                         _put(phi + 9, d[7], mhi[b], ATOMIC)
         else:
             cg = tl.arange(0, 8)
-            if KSPLIT:
-                for s_ in tl.static_range(NT):
-                    col = (pid_n * NT + s_) * 16 + cg                                   # [8]
-                    pz = zrow + mm[:, None] * out_p + col[None, :]
-                    tl.store(pz, tl.sum(acc[s_][0], axis=1), mask=mmask[:, None])
-                    tl.store(pz + 8, tl.sum(acc[s_][1], axis=1), mask=mmask[:, None])
-            else:
-                wi = tl.arange(0, WARPS)
-                for s_ in tl.static_range(NT):
-                    col = ((pid_n * NT + s_) * WARPS + wi)[:, None] * 16 + cg[None, :]      # [WARPS, 8]
-                    pz = zrow + mm[:, None, None] * out_p + col[None, :, :]
-                    _put(pz, acc[s_][0], mmask[:, None, None], ATOMIC)
-                    _put(pz + 8, acc[s_][1], mmask[:, None, None], ATOMIC)
+            wi = tl.arange(0, WARPS)
+            for s_ in tl.static_range(NT):
+                col = ((pid_n * NT + s_) * WARPS + wi)[:, None] * 16 + cg[None, :]      # [WARPS, 8]
+                pz = zrow + mm[:, None, None] * out_p + col[None, :, :]
+                _put(pz, acc[s_][0], mmask[:, None, None], ATOMIC)
+                _put(pz + 8, acc[s_][1], mmask[:, None, None], ATOMIC)
 
     @triton.jit
     def _lane_states(raw, rsh, KA: tl.constexpr, HALF: tl.constexpr, NWL: tl.constexpr):
@@ -546,10 +510,10 @@ if HAVE_TRITON:
         return st
 
 
-def default_unroll(bits, ksplit: bool = False) -> int:
+def default_unroll(bits) -> int:
     """k-tiles per iteration of the mma loop (``UNROLL``): 2 up to K = 4 (no register moves of the
-    prefetched words), 1 above and for k-split warps."""
-    return 2 if bits <= 4 and not ksplit else 1
+    prefetched words), 1 above."""
+    return 2 if bits <= 4 else 1
 
 
 def words_per_lane(bits) -> int:

@@ -75,7 +75,7 @@ if HAVE_TRITON:
         slots only) load no x' and run no mma."""
         estride = k_tiles * n_tiles * (8 * KA + 4 * HALF)          # int32 words per expert
         mma_pass(x_ptr, w_ptr + local * estride, z_ptr, lim, m0, a0, a1, pid_n, n_tiles, stride_x, one,
-                  KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, False, MB, SWAP, PDL, unroll_for(KA, HALF),
+                  KA, HALF, CB, MULT, ADD, NT, WARPS, NWL, ASM, MB, SWAP, PDL, unroll_for(KA, HALF),
                   XFRAG, MB > 1, HALVES, ATOMIC)
 
     @triton.jit

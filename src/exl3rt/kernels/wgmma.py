@@ -76,7 +76,6 @@ class WgmmaConfig:
     block_rows: int = 256
     stages: int = 3
     target_programs: int = 256
-    maxnreg: int = 0          # a register cap per thread (0: ptxas decides)
     overlap: bool = False
     pdl: bool = False
     pair: bool = False
@@ -444,7 +443,7 @@ def wgmma_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str, cfg: O
     splits, k_per, atomic = launch_splits(k_tiles, n_tiles, cfg)
     z = split_buffer("wgmma_rotated", acc, atomic, splits, rows, n_tiles * 16, xh.device, alloc)
     desc = TensorDescriptor.from_tensor(xh, [cfg.block_rows, KC * 16], x_layout(cfg.block_rows))
-    extra = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
+    extra = {}
     if pdl:
         extra["launch_pdl"] = True
     launch(_wgmma_kernel, (grid_n, grid_m, splits), desc, trellis.view(torch.int32), z, rows, k_tiles, n_tiles, k_per,
