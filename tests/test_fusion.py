@@ -59,10 +59,11 @@ def random_llama(layers=2, k_bits=4, seed=0):
     return model
 
 
-def count_fused_calls(monkeypatch):
+def count_calls(monkeypatch, name="fused_linear_impl"):
+    """A list that grows by one per call of ``exl3rt.kernels.ops.<name>`` (an op's implementation)."""
     calls = []
-    real = ops.fused_linear_impl
-    monkeypatch.setattr(ops, "fused_linear_impl", lambda *a: calls.append(1) or real(*a))
+    real = getattr(ops, name)
+    monkeypatch.setattr(ops, name, lambda *a: calls.append(1) or real(*a))
     return calls
 
 
@@ -75,7 +76,7 @@ def test_fused_members_give_the_unfused_logits_with_one_call_per_group(monkeypat
     assert fuse_linears(model, devices=("cpu",)) == 4          # q/k/v and gate/up in each of 2 layers
     q = model.model.layers[0].self_attn.q_proj
     assert q._fused is not None and not q.trellis.is_contiguous()
-    calls = count_fused_calls(monkeypatch)
+    calls = count_calls(monkeypatch)
     with torch.no_grad():
         got = model(ids, use_cache=False).logits
     assert len(calls) == 4
@@ -131,13 +132,6 @@ def test_siblings_of_different_k_stay_unfused_and_moves_dissolve_groups():
     assert up._fused is None
 
 
-def count_gated_calls(monkeypatch):
-    calls = []
-    real = ops.gated_mlp_impl
-    monkeypatch.setattr(ops, "gated_mlp_impl", lambda *a: calls.append(1) or real(*a))
-    return calls
-
-
 def test_gated_mlps_run_as_one_call_and_stay_apart_where_they_cannot(monkeypatch):
     """A Llama MLP whose gate/up are fused runs as one ``exl3rt::gated_mlp`` call (the unfused logits, one call per
     layer); unfusing gives it its own forward back; a hooked member or another activation keeps an MLP apart; a
@@ -151,7 +145,7 @@ def test_gated_mlps_run_as_one_call_and_stay_apart_where_they_cannot(monkeypatch
     assert all(is_gated(m) for m in mlps)
     g = mlps[0].gate_proj
     assert gated_shapes(model) == [((128, 256, 128, 4.0, "mcg", 4.0, "mcg"), g.trellis.device)]
-    calls = count_gated_calls(monkeypatch)
+    calls = count_calls(monkeypatch, "gated_mlp_impl")
     with torch.no_grad():
         got = model(ids, use_cache=False).logits
     assert len(calls) == 2
@@ -183,8 +177,8 @@ def test_a_fused_model_compiles_fullgraph_with_one_fused_op_per_group(monkeypatc
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad():
         compiled(ids, use_cache=False)
-        calls = count_fused_calls(monkeypatch)
-        gated = count_gated_calls(monkeypatch)
+        calls = count_calls(monkeypatch)
+        gated = count_calls(monkeypatch, "gated_mlp_impl")
         got = compiled(ids, use_cache=False).logits
     assert len(calls) == 4 and len(gated) == 2       # q/k/v fused, and each MLP one gated call (its gate/up inside)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -56,6 +56,16 @@ if HAVE_TRITON:
             off = ((m // 16) * bstride + (k // 16) * 128 + lane * 4) * 2 + (rr // 8 + 2 * (kk // 8)) * 2 + kk % 2
         return off
 
+    @triton.jit
+    def zero_slice(zero_ptr, zero_n, pid_c):
+        """Program ``pid_c`` of axis 1 zeroes its slice of the ``zero_n`` fp32 at ``zero_ptr`` (the next kernel's
+        accumulation buffer, cleared by the pass before it)."""
+        per = tl.cdiv(zero_n, tl.num_programs(1))
+        z_end = tl.minimum(pid_c * per + per, zero_n)
+        zo = tl.arange(0, 512)
+        for z0 in range(pid_c * per, z_end, 512):
+            tl.store(zero_ptr + z0 + zo, tl.zeros([512], tl.float32), mask=(z0 + zo) < z_end)
+
     @triton.jit(do_not_specialize=["rows", "splits", "rows_out"])
     def _had_kernel(x_ptr, s_ptr, y_ptr, rows, n, splits, stride_split, PRE: tl.constexpr,
                     BR: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False, FRAG: tl.constexpr = 0,
@@ -78,11 +88,7 @@ if HAVE_TRITON:
         y_ptr += pid_g * seg_y
         if ZERO:
             if (pid_r == 0) & (pid_g == 0):
-                per = tl.cdiv(zero_n, tl.num_programs(1))
-                z_end = tl.minimum(pid_c * per + per, zero_n)
-                zo = tl.arange(0, 512)
-                for z0 in range(pid_c * per, z_end, 512):
-                    tl.store(zero_ptr + z0 + zo, tl.zeros([512], tl.float32), mask=(z0 + zo) < z_end)
+                zero_slice(zero_ptr, zero_n, pid_c)
         r = pid_r * BR + tl.arange(0, BR)
         c = pid_c * 128 + tl.arange(0, 128)
         rmask = r < rows
@@ -128,11 +134,7 @@ if HAVE_TRITON:
         pid_c = tl.program_id(1)
         if ZERO:
             if pid_r == 0:
-                per = tl.cdiv(zero_n, tl.num_programs(1))
-                z_end = tl.minimum(pid_c * per + per, zero_n)
-                zo = tl.arange(0, 512)
-                for z0 in range(pid_c * per, z_end, 512):
-                    tl.store(zero_ptr + z0 + zo, tl.zeros([512], tl.float32), mask=(z0 + zo) < z_end)
+                zero_slice(zero_ptr, zero_n, pid_c)
         r = pid_r * BR + tl.arange(0, BR)
         c = pid_c * 128 + tl.arange(0, 128)
         rmask = r < rows

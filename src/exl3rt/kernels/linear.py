@@ -577,6 +577,16 @@ def prewarm_rows(device: str | torch.device) -> tuple[int, ...]:
     return WGMMA_PREWARM_ROWS if _wg.available(torch.device(device)) else PREWARM_ROWS
 
 
+def _measured_alloc(device) -> tuple[Alloc, list]:
+    """An ``alloc`` for a prewarm call, and the list it records each scratch buffer's workspace room in."""
+    scratch: list = []
+
+    def alloc(shape, dt):
+        scratch.append(slot_bytes(tuple(shape), dt))
+        return torch.empty(shape, dtype=dt, device=device)
+    return alloc, scratch
+
+
 def prewarm(shapes: Iterable[tuple], rows: Optional[Iterable[int]] = None,
             *, device: str | torch.device = "cuda", dtype: torch.dtype = torch.float16) -> int:
     """Compile every specialization needed for layers ``(in_p, out_p, K, codebook)`` (a fused layer:
@@ -602,11 +612,7 @@ def prewarm(shapes: Iterable[tuple], rows: Optional[Iterable[int]] = None,
             if key in done:
                 continue
             done.add(key)
-            scratch = []
-
-            def alloc(shape, dt):
-                scratch.append(slot_bytes(tuple(shape), dt))
-                return torch.empty(shape, dtype=dt, device=device)
+            alloc, scratch = _measured_alloc(device)
             _linear(torch.randn(r, in_p, dtype=dtype, device=device), trellis, suh, svh, codebook, alloc=alloc,
                     bounds=bounds)
             need = max(need, sum(scratch))
@@ -729,11 +735,7 @@ def prewarm_gated(shapes: Iterable[tuple], rows: Optional[Iterable[int]] = None,
             if key in done or not gated_mlp_fused(r, gu_bits, d_bits, torch.device(device)):
                 continue
             done.add(key)
-            scratch = []
-
-            def alloc(shape, dt):
-                scratch.append(slot_bytes(tuple(shape), dt))
-                return torch.empty(shape, dtype=dt, device=device)
+            alloc, scratch = _measured_alloc(device)
             _gated_mlp(torch.randn(r, in_p, dtype=dtype, device=device), gu, ones((2, in_p)), ones(2 * n), d,
                        ones(n), ones(out_p), gu_cb, d_cb, n, alloc=alloc)
             need = max(need, sum(scratch))
