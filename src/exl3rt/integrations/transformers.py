@@ -27,8 +27,8 @@ How the weights flow (each linear is encoded as its weight loads; the dense mode
 4. ``_process_model_after_weight_loading`` removes the placeholders, quantizes a tied head if asked
    (``quantize_lm_head`` with tied embeddings: the head is encoded from the embedding and untied),
    checks every selected weight was loaded, plans the MoE runtime of tierable experts
-   (:func:`exl3rt.runtime.moe_module.install_moe_runtimes`) and, on CUDA, fuses q/k/v and gate/up
-   (:func:`exl3rt.runtime.fusion.fuse_linears`). ``Exl3Config.expert_bits_rule`` is refused
+   (:func:`exl3rt.runtime.moe_module.install_moe_runtimes`) and, on CUDA, fuses q/k/v and gate/up and runs each
+   Llama-style MLP as one call (:func:`exl3rt.runtime.fusion.fuse_linears`). ``Exl3Config.expert_bits_rule`` is refused
    here: router statistics need the whole model before encoding (use ``quantize_model``).
    ``model.hf_quantizer.summary()`` tells hits/misses and which MoE path each experts module runs.
 
@@ -367,7 +367,7 @@ class Exl3HfQuantizer(_Exl3Quantizer):
             if self._progress is not None:
                 self._progress.update(target.num_weights, note=target.name)
         self.moe = install_moe_runtimes(model, self.config)  # tiered experts -> Exl3MoE (docs/online.md)
-        fuse_linears(model)                                   # q/k/v and gate/up as one call each, on CUDA
+        fuse_linears(model)             # on CUDA: q/k/v and gate/up as one call each, a gated MLP as one call
         model.save_pretrained = types.MethodType(save_pretrained_exl3, model)
         enc.stats.modules = len(self._targets)
         enc.stats.seconds = time.perf_counter() - self._t0
