@@ -38,24 +38,22 @@ CODEBOOK_RMS = 1.24371088
 #: launch variants timed by --sweep: K -> [(name, encode_tiles launch options)]
 #: (bp = uint8 backpointers, rc = recompute argmins from stored costs, f2 = two positions per
 #: step, t = tiles per program, c = chunk, l32/l16 = fp32/fp16 codebook table, w = warps,
-#: p = packed argmin, pps = programs per SM)
+#: pps = programs per SM)
 # (every variant sets all of these explicitly: unset options take the per-K defaults)
-_RC = dict(recomp=True, fuse2=False, lut=False, packed=False)
-_BP = dict(recomp=False, fuse2=False, lut=False, packed=False)
-_F2 = dict(recomp=False, fuse2=True, lut=False, packed=False)
+_RC = dict(recomp=True, fuse2=False, lut=False)
+_BP = dict(recomp=False, fuse2=False, lut=False)
+_F2 = dict(recomp=False, fuse2=True, lut=False)
 SWEEP = {
     2: [("bp-t2-c1024", dict(_BP, tpp=2, chunk=1024)),
         ("bp-t2-c1024-pps2", dict(_BP, tpp=2, chunk=1024, progs_per_sm=2)),
         ("f2-t2-c1024", dict(_F2, tpp=2, chunk=1024)),
         ("f2-t2-c512", dict(_F2, tpp=2, chunk=512)),
         ("f2-t1-c1024", dict(_F2, tpp=1, chunk=1024)),
-        ("f2-t2-c1024-p", dict(_F2, tpp=2, chunk=1024, packed=True)),
         ("f2-t2-c1024-pps2", dict(_F2, tpp=2, chunk=1024, progs_per_sm=2))],
     3: [("rc-t4-c1024", dict(_RC, tpp=4, chunk=1024)),
         ("rc-t4-c1024-l32", dict(_RC, tpp=4, chunk=1024, lut="fp32")),
         ("rc-t4-c1024-l16", dict(_RC, tpp=4, chunk=1024, lut="fp16")),
-        ("f2-t2-c1024", dict(_F2, tpp=2, chunk=1024)),
-        ("bp-t2-c1024-p", dict(_BP, tpp=2, chunk=1024, packed=True))],
+        ("f2-t2-c1024", dict(_F2, tpp=2, chunk=1024))],
     4: [("rc-t4-c1024-l32", dict(_RC, tpp=4, chunk=1024, lut="fp32")),
         ("rc-t4-c1024-l16", dict(_RC, tpp=4, chunk=1024, lut="fp16")),
         ("rc-t4-c512-l16", dict(_RC, tpp=4, chunk=512, lut="fp16"))],

@@ -188,19 +188,6 @@ def test_cost16_small(K, L, N, kw):
     assert torch.allclose(got, ref, rtol=1e-2, atol=1e-2)  # fp16 rounding can move near-ties
 
 
-def test_packed_argmin_small():
-    K, L, N = 2, 8, 32
-    gen = torch.Generator().manual_seed(7)
-    table = torch.randn(1 << L, generator=gen)
-    targets = torch.randn(2, N, generator=gen)
-    states, _ = vt.encode_tiles_custom(targets.to(DEV), K, table, L, recomp=False, packed=True)
-    states = states.cpu().numpy()
-    assert ring_ok(states, K, L).all()
-    _, ref = np_encode(targets.numpy(), K, table.numpy(), L)
-    got = ((table.double()[torch.from_numpy(states)] - targets.double()) ** 2).sum(1).numpy()
-    np.testing.assert_allclose(got, ref, rtol=1e-4)  # costs lose K mantissa bits: near-ties may move
-
-
 def test_pass2_is_optimal_for_its_junction_bruteforce():
     """Every ring of a tiny trellis: the result is the best ring through its own junction
     overlap (what pass 2 guarantees) and no better than the best ring overall."""

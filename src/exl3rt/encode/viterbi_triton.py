@@ -67,8 +67,6 @@ Two ways to get the backpointers (``recomp``):
 * backpointer mode: the argmin is stored as uint8 per (position, edge) (``256 x E`` bytes per
   tile, 4 MiB at K=2); the costs ping-pong between two slots. ``fuse2`` computes two positions
   per step (the intermediate costs stay in registers, half the cost traffic; helped at K=1 only).
-  ``packed`` replaces the cost's low K mantissa bits by ``k`` so that one integer min gives min
-  and argmin (costs lose K of 24 significand bits: not bit-compatible; off by default).
 * recompute mode: the forward pass keeps only a min (3 instructions per candidate and tile:
   sub, fma, min) and stores every step's costs (``259 x E`` fp32 per tile); the backtrack
   recomputes the NK candidates of the one edge it follows at each position. Faster for K >= 3,
@@ -135,7 +133,7 @@ _CB_AFFINE = {0: (INST3_MULTIPLIER, INST3_ADDEND), 1: (MCG_MULTIPLIER, 0), 2: (M
 MUL1_SCALE = 0.0067672729492187500
 MUL1_BIAS = -10.3828125
 
-#: large finite "infinity" (the constrained start of pass 2; packed-argmin bit tricks stay valid)
+#: large finite "infinity" (the constrained start of pass 2)
 BIG = 1.0e30
 
 #: default cap on the scratch memory of one call (the grid shrinks to fit)
@@ -147,14 +145,14 @@ DEFAULT_SCRATCH_BYTES = 16 << 30
 #:   while backtracking, instead of uint8 backpointers); fuse2 (two positions per step,
 #:   backpointer mode, tpp <= 2); lut (None/False: inline decode, pass False to override a
 #:   table default; "fp32"/"fp16": 65536-entry table);
-#:   packed (packed argmin, see the module docstring); k_static (unroll the k loop; default
+#:   k_static (unroll the k loop; default
 #:   NK <= 16); progs_per_sm (None: as many programs as are resident at once).
 #:   cost16 (store the per-step cost vectors as fp16, arithmetic in fp32; every step's costs are
 #:   stored relative to the previous step's minimum so that the competitive ones stay small).
-CONFIG_KEYS = ("num_warps", "chunk", "tpp", "order", "recomp", "fuse2", "lut", "packed",
-               "k_static", "progs_per_sm", "cost16")
+CONFIG_KEYS = ("num_warps", "chunk", "tpp", "order", "recomp", "fuse2", "lut", "k_static", "progs_per_sm",
+               "cost16")
 _BASE_CONFIG = dict(num_warps=8, chunk=1024, tpp=4, order=0, recomp=True, fuse2=False, lut=None,
-                    packed=False, k_static=None, progs_per_sm=None, cost16=False)
+                    k_static=None, progs_per_sm=None, cost16=False)
 
 #: per-K defaults (on top of _BASE_CONFIG): the fastest measured variants of the sweeps of
 #: benchmarks/bench_viterbi_gpu.py on an H200 (K = 5, 7, 8 were not swept)
@@ -230,16 +228,13 @@ if HAVE_TRITON:
         return x0
 
     @triton.jit
-    def _fold(best, arg, k, v, prev, wt, NK: tl.constexpr, PACKED: tl.constexpr,
+    def _fold(best, arg, k, v, prev, wt, NK: tl.constexpr,
               WANT_ARG: tl.constexpr):
         """Fold predecessor ``k`` (codebook values ``v``, previous costs ``prev``) into one
         tile's running min (and argmin; ties: strict ``<``, the smallest k wins)."""
         d = v - wt
         cand = d * d + prev
-        if PACKED:  # k in the low K mantissa bits; one integer min gives min and argmin
-            cb_bits = (cand.to(tl.int32, bitcast=True) & (-NK)) | k
-            best = tl.minimum(best.to(tl.int32, bitcast=True), cb_bits).to(tl.float32, bitcast=True)
-        elif WANT_ARG:
+        if WANT_ARG:
             upd = cand < best
             best = tl.where(upd, cand, best)
             arg = tl.where(upd, k, arg)
@@ -248,19 +243,10 @@ if HAVE_TRITON:
         return best, arg
 
     @triton.jit
-    def _unpack(best, arg, NK: tl.constexpr, PACKED: tl.constexpr):
-        if PACKED:
-            bits = best.to(tl.int32, bitcast=True)
-            arg = bits & (NK - 1)
-            best = (bits & (-NK)).to(tl.float32, bitcast=True)
-        return best, arg
-
-    @triton.jit
     def _finish(best, arg, dst, bp_t, e, off, mn, STORE_BP: tl.constexpr, NK: tl.constexpr,
-                PACKED: tl.constexpr, C16: tl.constexpr):
+                C16: tl.constexpr):
         """Store one tile's chunk of costs (C16: minus the step offset ``off``, as fp16; ``mn``:
         running minimum of the stored values) and backpointers."""
-        best, arg = _unpack(best, arg, NK, PACKED)
         if C16:
             rel = best - off
             mn = tl.minimum(mn, rel)
@@ -282,14 +268,10 @@ if HAVE_TRITON:
         return m
 
     @triton.jit
-    def _init(e, PACKED: tl.constexpr):
-        """Running-min start (+inf, or the largest positive bit pattern when packed) and argmin 0."""
+    def _init(e):
+        """Running-min start (+inf) and argmin 0."""
         zero = (e * 0).to(tl.float32)
-        if PACKED:
-            init = (zero.to(tl.int32, bitcast=True) | 0x7FFFFFFF).to(tl.float32, bitcast=True)
-        else:
-            init = zero + float("inf")
-        return init, zero.to(tl.int32)
+        return zero + float("inf"), zero.to(tl.int32)
 
     @triton.jit
     def _chunk_axes(NK: tl.constexpr, CEH: tl.constexpr, ORDER: tl.constexpr):
@@ -306,7 +288,7 @@ if HAVE_TRITON:
               TPP: tl.constexpr, TS: tl.constexpr, BS: tl.constexpr,
               NK: tl.constexpr, EH: tl.constexpr, E: tl.constexpr, CEH: tl.constexpr,
               ORDER: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
-              ADD: tl.constexpr, KMULT: tl.constexpr, PACKED: tl.constexpr,
+              ADD: tl.constexpr, KMULT: tl.constexpr,
               K_STATIC: tl.constexpr, ASM: tl.constexpr, C16: tl.constexpr):
         """One trellis step for TPP = 1, 2 or 4 tiles (targets ``wa``, ``wb``, ``wc``, ``wd``; tile
         i's buffers lie ``i*TS`` / ``i*BS`` elements after tile 0's). Reads the in-edge costs at
@@ -328,21 +310,21 @@ if HAVE_TRITON:
             eh = c * CEH + ehl
             e = eh * NK + el                                      # out-edges of the chunk
             x0 = _x0(e, CB, MULT, ADD)
-            ba, aa = _init(e, PACKED)
-            bb, ab = _init(e, PACKED)
-            bc, ac = _init(e, PACKED)
-            bd, ad = _init(e, PACKED)
+            ba, aa = _init(e)
+            bb, ab = _init(e)
+            bc, ac = _init(e)
+            bd, ad = _init(e)
             xk = x0
             if K_STATIC:
                 for k in tl.static_range(NK):
                     v = _cb_k(x0, k, cb_ptr, CB, E, KMULT, ASM)
                     pa = src + (k * EH + eh)
-                    ba, aa = _fold(ba, aa, k, v, tl.load(pa).to(tl.float32), wa, NK, PACKED, STORE_BP)
+                    ba, aa = _fold(ba, aa, k, v, tl.load(pa).to(tl.float32), wa, NK, STORE_BP)
                     if TPP >= 2:
-                        bb, ab = _fold(bb, ab, k, v, tl.load(pa + TS).to(tl.float32), wb, NK, PACKED, STORE_BP)
+                        bb, ab = _fold(bb, ab, k, v, tl.load(pa + TS).to(tl.float32), wb, NK, STORE_BP)
                     if TPP >= 4:
-                        bc, ac = _fold(bc, ac, k, v, tl.load(pa + 2 * TS).to(tl.float32), wc, NK, PACKED, STORE_BP)
-                        bd, ad = _fold(bd, ad, k, v, tl.load(pa + 3 * TS).to(tl.float32), wd, NK, PACKED, STORE_BP)
+                        bc, ac = _fold(bc, ac, k, v, tl.load(pa + 2 * TS).to(tl.float32), wc, NK, STORE_BP)
+                        bd, ad = _fold(bd, ad, k, v, tl.load(pa + 3 * TS).to(tl.float32), wd, NK, STORE_BP)
             else:
                 for k in range(0, NK):
                     if CB >= 3:
@@ -352,19 +334,19 @@ if HAVE_TRITON:
                         v = _cb_from_product(xk, CB, ASM)
                         xk = xk + KMULT
                     pa = src + (k * EH + eh)
-                    ba, aa = _fold(ba, aa, k, v, tl.load(pa).to(tl.float32), wa, NK, PACKED, STORE_BP)
+                    ba, aa = _fold(ba, aa, k, v, tl.load(pa).to(tl.float32), wa, NK, STORE_BP)
                     if TPP >= 2:
-                        bb, ab = _fold(bb, ab, k, v, tl.load(pa + TS).to(tl.float32), wb, NK, PACKED, STORE_BP)
+                        bb, ab = _fold(bb, ab, k, v, tl.load(pa + TS).to(tl.float32), wb, NK, STORE_BP)
                     if TPP >= 4:
-                        bc, ac = _fold(bc, ac, k, v, tl.load(pa + 2 * TS).to(tl.float32), wc, NK, PACKED, STORE_BP)
-                        bd, ad = _fold(bd, ad, k, v, tl.load(pa + 3 * TS).to(tl.float32), wd, NK, PACKED, STORE_BP)
-            ma = _finish(ba, aa, dst, bp_t, e, oa, ma, STORE_BP, NK, PACKED, C16)
+                        bc, ac = _fold(bc, ac, k, v, tl.load(pa + 2 * TS).to(tl.float32), wc, NK, STORE_BP)
+                        bd, ad = _fold(bd, ad, k, v, tl.load(pa + 3 * TS).to(tl.float32), wd, NK, STORE_BP)
+            ma = _finish(ba, aa, dst, bp_t, e, oa, ma, STORE_BP, NK, C16)
             if TPP >= 2:
-                mb = _finish(bb, ab, dst + TS, bp_t + BS, e, ob, mb, STORE_BP, NK, PACKED, C16)
+                mb = _finish(bb, ab, dst + TS, bp_t + BS, e, ob, mb, STORE_BP, NK, C16)
             if TPP >= 4:
-                mc = _finish(bc, ac, dst + 2 * TS, bp_t + 2 * BS, e, oc, mc, STORE_BP, NK, PACKED,
+                mc = _finish(bc, ac, dst + 2 * TS, bp_t + 2 * BS, e, oc, mc, STORE_BP, NK,
                              C16)
-                md = _finish(bd, ad, dst + 3 * TS, bp_t + 3 * BS, e, od, md, STORE_BP, NK, PACKED,
+                md = _finish(bd, ad, dst + 3 * TS, bp_t + 3 * BS, e, od, md, STORE_BP, NK,
                              C16)
         tl.debug_barrier()  # the next step reads costs written by other threads
         oa = _offset(ma, C16)
@@ -377,22 +359,22 @@ if HAVE_TRITON:
 
     @triton.jit
     def _mid(src, j, k2, x0j, wt, cb_ptr, NK: tl.constexpr, EH: tl.constexpr, E: tl.constexpr,
-             K: tl.constexpr, CB: tl.constexpr, KMULT: tl.constexpr, PACKED: tl.constexpr,
+             K: tl.constexpr, CB: tl.constexpr, KMULT: tl.constexpr,
              WANT_ARG: tl.constexpr, ASM: tl.constexpr):
         """Intermediate cost (and argmin) of edges ``j`` after the first step of a fused pair."""
-        best, arg = _init(j, PACKED)
+        best, arg = _init(j)
         for k1 in tl.static_range(NK):
             v = _cb_k(x0j, k1, cb_ptr, CB, E, KMULT, ASM)
             best, arg = _fold(best, arg, k1, v, tl.load(src + (k1 * EH + (j >> K))).to(tl.float32), wt, NK,
-                              PACKED, WANT_ARG)
-        return _unpack(best, arg, NK, PACKED)
+                              WANT_ARG)
+        return best, arg
 
     @triton.jit
     def _step2(src, dst, bp_t, w0a, w0b, w1a, w1b, oa, ob, cb_ptr, STORE_BP: tl.constexpr,
                TPP: tl.constexpr, TS: tl.constexpr, BS: tl.constexpr, NK: tl.constexpr,
                EH: tl.constexpr, E: tl.constexpr, K: tl.constexpr, CEH: tl.constexpr,
                ORDER: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr,
-               KMULT: tl.constexpr, PACKED: tl.constexpr, ASM: tl.constexpr, C16: tl.constexpr):
+               KMULT: tl.constexpr, ASM: tl.constexpr, C16: tl.constexpr):
         """Two trellis steps (positions t, t+1; targets ``w0*``, ``w1*``; TPP = 1 or 2 tiles)
         without the round trip of the intermediate costs through memory: for each chunk of
         final out-edges ``e`` and each k2, the intermediate costs of the edges
@@ -406,27 +388,26 @@ if HAVE_TRITON:
             eh = c * CEH + ehl                                    # [1, CEH] or [CEH, 1]
             e = eh * NK + el                                      # final out-edges of the chunk
             x0 = _x0(e, CB, MULT, ADD)
-            ba, aa = _init(e, PACKED)
-            bb, ab = _init(e, PACKED)
+            ba, aa = _init(e)
+            bb, ab = _init(e)
             for k2 in tl.static_range(NK):
                 j = k2 * EH + eh                                  # intermediate edges
                 x0j = _x0(j, CB, MULT, ADD)
-                ma, ia = _mid(src, j, k2, x0j, w0a, cb_ptr, NK, EH, E, K, CB, KMULT, PACKED,
+                ma, ia = _mid(src, j, k2, x0j, w0a, cb_ptr, NK, EH, E, K, CB, KMULT,
                               STORE_BP, ASM)
                 if STORE_BP:
                     tl.store(bp_t + j, ia.to(tl.uint8))
                 if TPP >= 2:
-                    mb, ib = _mid(src + TS, j, k2, x0j, w0b, cb_ptr, NK, EH, E, K, CB, KMULT,
-                                  PACKED, STORE_BP, ASM)
+                    mb, ib = _mid(src + TS, j, k2, x0j, w0b, cb_ptr, NK, EH, E, K, CB, KMULT, STORE_BP, ASM)
                     if STORE_BP:
                         tl.store(bp_t + BS + j, ib.to(tl.uint8))
                 v = _cb_k(x0, k2, cb_ptr, CB, E, KMULT, ASM)
-                ba, aa = _fold(ba, aa, k2, v, ma, w1a, NK, PACKED, STORE_BP)
+                ba, aa = _fold(ba, aa, k2, v, ma, w1a, NK, STORE_BP)
                 if TPP >= 2:
-                    bb, ab = _fold(bb, ab, k2, v, mb, w1b, NK, PACKED, STORE_BP)
-            na = _finish(ba, aa, dst, bp_t + E, e, oa, na, STORE_BP, NK, PACKED, C16)
+                    bb, ab = _fold(bb, ab, k2, v, mb, w1b, NK, STORE_BP)
+            na = _finish(ba, aa, dst, bp_t + E, e, oa, na, STORE_BP, NK, C16)
             if TPP >= 2:
-                nb = _finish(bb, ab, dst + TS, bp_t + BS + E, e, ob, nb, STORE_BP, NK, PACKED, C16)
+                nb = _finish(bb, ab, dst + TS, bp_t + BS + E, e, ob, nb, STORE_BP, NK, C16)
         tl.debug_barrier()  # the next step reads costs written by other threads
         oa = _offset(na, C16)
         if TPP >= 2:
@@ -440,7 +421,7 @@ if HAVE_TRITON:
                  BS: tl.constexpr, NK: tl.constexpr, EH: tl.constexpr, E: tl.constexpr,
                  K: tl.constexpr, CEH: tl.constexpr, ORDER: tl.constexpr, CB: tl.constexpr,
                  MULT: tl.constexpr, ADD: tl.constexpr, KMULT: tl.constexpr,
-                 PACKED: tl.constexpr, K_STATIC: tl.constexpr, ASM: tl.constexpr,
+                 K_STATIC: tl.constexpr, ASM: tl.constexpr,
                  C16: tl.constexpr):
         """Position p (or p and p+1 if FUSE2): costs from cost slot ``src`` to slot ``dst``;
         returns the next step's cost offsets (C16)."""
@@ -450,14 +431,13 @@ if HAVE_TRITON:
             wa1 = tl.load(w_row + p + 1)
             wb1 = tl.load(w_row + N + p + 1, mask=ok_b, other=0.0)
             oa, ob = _step2(hist + src * E, hist + dst * E, bp_t, wa, wb, wa1, wb1, oa, ob, cb_ptr,
-                            STORE_BP, TPP, TS, BS, NK, EH, E, K, CEH, ORDER, CB, MULT, ADD, KMULT,
-                            PACKED, ASM, C16)
+                            STORE_BP, TPP, TS, BS, NK, EH, E, K, CEH, ORDER, CB, MULT, ADD, KMULT, ASM, C16)
         else:
             wc = tl.load(w_row + 2 * N + p, mask=ok_c, other=0.0)
             wd = tl.load(w_row + 3 * N + p, mask=ok_d, other=0.0)
             oa, ob, oc, od = _step(hist + src * E, hist + dst * E, bp_t, wa, wb, wc, wd, oa, ob,
                                    oc, od, cb_ptr, STORE_BP, TPP, TS, BS, NK, EH, E, CEH, ORDER,
-                                   CB, MULT, ADD, KMULT, PACKED, K_STATIC, ASM, C16)
+                                   CB, MULT, ADD, KMULT, K_STATIC, ASM, C16)
         return oa, ob, oc, od
 
     @triton.jit
@@ -504,7 +484,6 @@ if HAVE_TRITON:
         MULT: tl.constexpr,         # codebook's uint32 multiplier
         ADD: tl.constexpr,          # codebook's uint32 addend
         KMULT: tl.constexpr,        # (E*MULT) mod 2^32: product step per k
-        PACKED: tl.constexpr,       # packed argmin (backpointer mode only)
         K_STATIC: tl.constexpr,     # unroll the k loop
         RECOMP: tl.constexpr,       # keep every step's costs, recompute argmins while backtracking
         FUSE2: tl.constexpr,        # two positions per step (backpointer mode, TPP <= 2)
@@ -561,7 +540,7 @@ if HAVE_TRITON:
                     dst = 1 - src
                 oa, ob, oc, od = _advance(hist, src, dst, bp, wa_row, HALF + j, ok_b, ok_c, ok_d,
                                           oa, ob, oc, od, cb_ptr, False, FUSE2, N, TPP, TS, BS,
-                                          NK, EH, E, K, CEH, ORDER, CB, MULT, ADD, KMULT, PACKED,
+                                          NK, EH, E, K, CEH, ORDER, CB, MULT, ADD, KMULT,
                                           K_STATIC, ASM, C16)
             for t in range(0, HALF, STEP):                        # positions 0..HALF-1
                 if RECOMP:
@@ -572,7 +551,7 @@ if HAVE_TRITON:
                     dst = 1 - src
                 oa, ob, oc, od = _advance(hist, src, dst, bp + t * E, wa_row, t, ok_b, ok_c, ok_d,
                                           oa, ob, oc, od, cb_ptr, BP_FWD, FUSE2, N, TPP, TS, BS,
-                                          NK, EH, E, K, CEH, ORDER, CB, MULT, ADD, KMULT, PACKED,
+                                          NK, EH, E, K, CEH, ORDER, CB, MULT, ADD, KMULT,
                                           K_STATIC, ASM, C16)
             # argmin of the final cost (first edge on ties) = out-edge of position HALF-1
             if RECOMP:
@@ -617,7 +596,7 @@ if HAVE_TRITON:
                     dst = 1 - src
                 oa, ob, oc, od = _advance(hist, src, dst, bp + t * E, wa_row, t, ok_b, ok_c, ok_d,
                                           oa, ob, oc, od, cb_ptr, BP_FWD, FUSE2, N, TPP, TS, BS,
-                                          NK, EH, E, K, CEH, ORDER, CB, MULT, ADD, KMULT, PACKED,
+                                          NK, EH, E, K, CEH, ORDER, CB, MULT, ADD, KMULT,
                                           K_STATIC, ASM, C16)
             e2 = estar                                                             # out-edge of N-1
             for i in range(0, N):                                                  # N-1 -> 0
@@ -681,7 +660,7 @@ def _plan(K: int, L: int, N: int, cfg: dict) -> dict:
         raise ValueError(f"lut must be None, 'fp32' or 'fp16', got {lut!r}")
     k_static = cfg["k_static"]
     return dict(N=N, K=K, NK=NK, EH=EH, E=E, CEH=CH // NK, TPP=tpp, ORDER=int(cfg["order"]),
-                NSLOT=N + 3 if recomp else 2, PACKED=bool(cfg["packed"]) and not recomp,
+                NSLOT=N + 3 if recomp else 2,
                 K_STATIC=bool(NK <= 16 if k_static is None else k_static), RECOMP=recomp,
                 FUSE2=fuse2, ASM=not _interpreting(), C16=bool(cfg["cost16"]),
                 num_warps=int(cfg["num_warps"]))
