@@ -300,8 +300,7 @@ def _convert_locked(src: TensorFiles, out: Path, plan: ConversionPlan, record: d
                 if cache is None:
                     lin = encode()
                 else:
-                    key = keys.get(job.name) if keys is not None else None
-                    key = key or _cache_key(cache, src, job, seed, h)
+                    key = (keys or {}).get(job.name) or _cache_key(cache, src, job, seed, h)
                     res = cache.load_or_encode(key, encode, device="cpu", name=job.name)
                     lin = res.encoded
                     if res.hit:

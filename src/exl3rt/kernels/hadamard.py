@@ -117,6 +117,15 @@ if HAVE_TRITON:
             tl.store(y_ptr + yoffs, y.to(y_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
+    @triton.jit
+    def _act_round(x, ACT_DT: tl.constexpr):
+        """fp32 ``x`` rounded to the activation dtype (1 fp16, 2 bf16; else unchanged), back in fp32."""
+        if ACT_DT == 1:
+            x = x.to(tl.float16).to(tl.float32)
+        elif ACT_DT == 2:
+            x = x.to(tl.bfloat16).to(tl.float32)
+        return x
+
     @triton.jit(do_not_specialize=["rows", "splits", "inter", "rows_out"])
     def _gated_kernel(z_ptr, svh_ptr, suh_ptr, y_ptr, rows, n, splits, stride_split, inter, rows_out,
                       ACT_DT: tl.constexpr, FRAG: tl.constexpr, BR: tl.constexpr, SB: tl.constexpr,
@@ -150,22 +159,10 @@ if HAVE_TRITON:
         g = fwht128(g, BR) * (tl.load(svh_ptr + c).to(tl.float32) * HAD_SCALE_C)[None, :]
         u = fwht128(u, BR) * (tl.load(svh_ptr + n + c).to(tl.float32) * HAD_SCALE_C)[None, :]
         # what the layers run apart compute: g and u in the activation dtype, silu(g) rounded, then the product
-        if ACT_DT == 1:
-            g = g.to(tl.float16).to(tl.float32)
-            u = u.to(tl.float16).to(tl.float32)
-        elif ACT_DT == 2:
-            g = g.to(tl.bfloat16).to(tl.float32)
-            u = u.to(tl.bfloat16).to(tl.float32)
-        a = g / (1.0 + tl.exp(-g))
-        if ACT_DT == 1:
-            a = a.to(tl.float16).to(tl.float32)
-        elif ACT_DT == 2:
-            a = a.to(tl.bfloat16).to(tl.float32)
-        h = a * u
-        if ACT_DT == 1:
-            h = h.to(tl.float16).to(tl.float32)
-        elif ACT_DT == 2:
-            h = h.to(tl.bfloat16).to(tl.float32)
+        g = _act_round(g, ACT_DT)
+        u = _act_round(u, ACT_DT)
+        a = _act_round(g / (1.0 + tl.exp(-g)), ACT_DT)
+        h = _act_round(a * u, ACT_DT)
         h = tl.where((c < inter)[None, :], h, 0.0)
         y = fwht128(h * (tl.load(suh_ptr + c).to(tl.float32) * HAD_SCALE_C)[None, :], BR)
         fo = frag_offsets(r[:, None], c[None, :], n * (4 if FRAG == 2 else 8), FRAG == 2)

@@ -721,6 +721,7 @@ def prewarm_gated(shapes: Iterable[tuple], rows: Optional[Iterable[int]] = None,
     it runs; returns the calls made."""
     from ..format.bits import words16_per_tile
     rows = prewarm_rows(device) if rows is None else tuple(rows)
+    wg = _wg.available(torch.device(device))
     n_calls, need, done = 0, 0, set()
     for in_p, n, out_p, gu_bits, gu_cb, d_bits, d_cb in shapes:
         gu = torch.randint(-32768, 32767, (in_p // 16, 2 * n // 16, words16_per_tile(gu_bits)), dtype=torch.int16,
@@ -729,7 +730,6 @@ def prewarm_gated(shapes: Iterable[tuple], rows: Optional[Iterable[int]] = None,
                           device=device)
         ones = functools.partial(torch.ones, dtype=torch.float16, device=device)
         for r in rows:
-            wg = _wg.available(torch.device(device))
             key = (in_p, n, out_p, gu_bits, gu_cb, d_bits, d_cb, dtype, specialization(r, gu_bits, wg),
                    specialization(r, d_bits, wg))
             if key in done or not gated_mlp_fused(r, gu_bits, d_bits, torch.device(device)):

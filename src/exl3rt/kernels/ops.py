@@ -103,12 +103,9 @@ def gated_mlp_impl(x: torch.Tensor, gu_trellis: torch.Tensor, gu_suh: torch.Tens
     n = int(gu_trellis.shape[1]) * 8
     if x.is_cuda and _kernel() is not None:
         from .linear import exl3_gated_mlp
-        shape = x.shape
-        x2 = _padded_rows(x, int(gu_trellis.shape[0]) * 16)
-        y = exl3_gated_mlp(x2, gu_trellis, gu_suh, gu_svh, d_trellis, d_suh, d_svh, gu_codebook, d_codebook, inter)
-        if y.shape[1] != out_features:
-            y = y[:, :out_features].contiguous()
-        return y.view(*shape[:-1], out_features)
+        y = exl3_gated_mlp(_padded_rows(x, int(gu_trellis.shape[0]) * 16), gu_trellis, gu_suh, gu_svh, d_trellis,
+                           d_suh, d_svh, gu_codebook, d_codebook, inter)
+        return _trimmed(y, x.shape, out_features)
     gu = fused_linear_impl(x, gu_trellis, gu_suh, gu_svh, gu_codebook, [n])
     h = torch.nn.functional.silu(gu[..., :inter]) * gu[..., n:n + inter]
     return linear_impl(h, d_trellis, d_suh, d_svh, None, d_codebook, out_features)
@@ -147,25 +144,25 @@ def _padded_rows(x: torch.Tensor, in_p: int) -> torch.Tensor:
     return x2.contiguous()
 
 
+def _trimmed(y: torch.Tensor, shape: torch.Size, out_features: int) -> torch.Tensor:
+    """The kernels' ``[rows, out_p]`` back in the input's leading ``shape``, trimmed to ``out_features``."""
+    if y.shape[1] != out_features:
+        y = y[:, :out_features].contiguous()
+    return y if len(shape) == 2 else y.view(*shape[:-1], out_features)
+
+
 def padded_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str,
                   out_features: int, bounds: tuple = ()) -> torch.Tensor:
     """The kernels' contract: flatten to 2-D, zero-pad to ``in_p``, ``[rows, in_p] -> [rows, out_p]``, trim to
     ``out_features``. The Triton kernels on CUDA; elsewhere (or without Triton) the untrimmed W decoded."""
-    shape = x.shape
-    in_features = shape[-1]
-    in_p = trellis.shape[0] * 16
-    x2 = x if len(shape) == 2 else x.reshape(-1, in_features)
-    if in_p != in_features:
-        x2 = torch.nn.functional.pad(x2, (0, in_p - in_features))
+    x2 = _padded_rows(x, trellis.shape[0] * 16)
     kernel = _kernel()
     if kernel is not None and x.is_cuda:
-        y = kernel(x2.contiguous(), trellis, suh, svh, codebook, bounds=bounds) if bounds else \
-            kernel(x2.contiguous(), trellis, suh, svh, codebook)
+        y = kernel(x2, trellis, suh, svh, codebook, bounds=bounds) if bounds else \
+            kernel(x2, trellis, suh, svh, codebook)
     else:
         y = x2 @ reconstruct(trellis, suh, svh, codebook).to(x.dtype)
-    if trellis.shape[1] * 16 != out_features:
-        y = y[:, :out_features].contiguous()
-    return y if len(shape) == 2 else y.view(*shape[:-1], out_features)
+    return _trimmed(y, x.shape, out_features)
 
 
 _KERNEL: list = []
