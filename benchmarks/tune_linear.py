@@ -4,7 +4,7 @@ configuration is fastest per row count, checked for correctness before timing.
     python benchmarks/tune_linear.py [--shape 4096 14336] [--bits 4] [--rows 1 16 256 2048]
                                      [--out benchmarks/results/tune_linear.json]
 
-For each row count: the FFMA GEMV (rows <= 16), the warp-level mma GEMV under several
+For each row count: the warp-level mma GEMV under several
 ``MmaConfig``s, and decode-to-fp16 + cuBLAS; every candidate is a CUDA-graph replay of a whole
 ``exl3_linear`` call rotating ``--copies`` weight copies (as ``bench_linear.py``), with bf16
 ``torch.matmul`` timed in the same run. Prints a table and writes JSON.
@@ -29,7 +29,7 @@ from exl3rt.kernels import linear as kl  # noqa: E402
 
 M = kl.MmaConfig
 CANDIDATES = {
-    "small": [("gemv", None), ("mma", M(4, 1, 4224)), ("mma", M(2, 1, 8448)), ("mma", M(4, 1, 8448)),
+    "small": [("mma", M(4, 1, 4224)), ("mma", M(2, 1, 8448)), ("mma", M(4, 1, 8448)),
               ("mma", M(2, 2, 4224)), ("mma", M(4, 2, 2112)), ("mma", M(2, 4, 2112)), ("mma", M(8, 1, 2112)),
               ("mma", M(2, 1, 4224)), ("mma", M(4, 1, 3584)), ("mma", M(4, 1, 4224, swap=True))],
     "large": [("decode_mm", None), ("mma", M(8, 1, 2112)), ("mma", M(4, 1, 4224))],
@@ -61,8 +61,6 @@ def main(argv=None):
         ref = x.double() @ w
         for path, cfg in CANDIDATES["small" if r <= 16 else "large"]:
             if path == "mma" and r > 64:
-                continue
-            if path == "gemv" and r > kl.GEMV_MAX_ROWS:
                 continue
             if cfg is not None and cfg.swap and r > 8:     # the swapped operands take at most 8 rows
                 continue

@@ -21,7 +21,6 @@ from exl3rt.kernels import common as kc  # noqa: E402
 from exl3rt.kernels import linear as kl  # noqa: E402
 
 # small launch blocks: one or two programs per call in the interpreter
-GEMV = kl.GemvConfig(nt=16, num_warps=1, target_programs=2)
 DEC = kl.DecodeConfig(nt=8, num_warps=1, k_per=2)
 MMA = kl.MmaConfig(nt=2, num_warps=2, target_programs=2)
 
@@ -41,46 +40,16 @@ def test_decode_fp16_bit_exact(codebook, bits):
     assert torch.equal(q.cpu(), decode(tr.cpu(), bits, codebook))
 
 
-@pytest.mark.parametrize("codebook,bits,shape,rows", [
-    ("mcg", 4, (128, 256), 1),
-    ("mcg", 1, (256, 128), 3),
-    ("mcg", 2, (128, 256), 16),
-    ("mcg", 8, (128, 128), 5),
-    ("3inst", 3, (256, 128), 1),
-    ("3inst", 6, (128, 256), 3),
-    ("mul1", 4, (128, 128), 7),
-    ("mul1", 2.5, (128, 256), 2),
-])
-def test_gemv_matches_reconstruct(codebook, bits, shape, rows):
-    in_p, out_p = shape
-    tr, suh, svh = _codes(in_p, out_p, bits, seed=rows * 100 + int(bits * 10))
-    x = torch.randn(rows, in_p, generator=torch.Generator().manual_seed(rows))
-    ref = x.double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), codebook, dtype=torch.float64)
-    y = kl.exl3_linear(x.to(DEV), tr, suh, svh, codebook, bits, gemv_cfg=GEMV, path="gemv")
-    assert y.shape == (rows, out_p) and y.dtype == torch.float32
-    assert _rel(y, ref) < 1e-5
-
-
-def test_gemv_half_precision_io():
+def test_half_precision_io():
     tr, suh, svh = _codes(128, 128, 4, seed=5)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(9))
     ref = x.half().double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), "mcg", dtype=torch.float64)
     for dt in (torch.float16, torch.bfloat16):
-        for path in ("gemv", "mma", "decode_mm"):
-            y = kl.exl3_linear(x.half().to(dt).to(DEV), tr, suh, svh, "mcg", gemv_cfg=GEMV, mma_cfg=MMA,
+        for path in ("mma", "decode_mm"):
+            y = kl.exl3_linear(x.half().to(dt).to(DEV), tr, suh, svh, "mcg", mma_cfg=MMA,
                                decode_cfg=DEC, path=path)
             assert y.dtype == dt
             assert _rel(y, ref) < (2e-3 if dt == torch.float16 else 1e-2), path
-
-
-def test_gemv_split_k_and_row_blocks():
-    """Several K-splits and n-blocks (partials summed by the post-pass) give the same result."""
-    tr, suh, svh = _codes(256, 256, 3, seed=11)
-    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3))
-    ref = x.double() @ reconstruct(tr.cpu(), suh.cpu(), svh.cpu(), "mcg", dtype=torch.float64)
-    y = kl.exl3_linear(x.to(DEV), tr, suh, svh, "mcg", gemv_cfg=kl.GemvConfig(nt=8, num_warps=1, target_programs=8),
-                       path="gemv")
-    assert _rel(y, ref) < 1e-5
 
 
 def test_gemm_path_decode_then_matmul():
@@ -236,7 +205,6 @@ def test_dispatch_and_prewarm_buckets():
     assert [kl.choose_path(r) for r in (1, 2, 16, 17, 32, 33, 64, 65, 2048)] == \
         ["mma", "mma", "mma", "mma", "mma", "mma", "mma", "decode_mm", "decode_mm"]
     assert [kl.default_mma_config(r).row_blocks for r in (16, 17, 32, 33, 64)] == [1, 2, 2, 4, 4]
-    assert [kl.choose_path(r, gemv_max_rows=4) for r in (1, 4, 5)] == ["gemv", "gemv", "mma"]
     assert [kl.default_mma_config(r).swap for r in (1, 8, 9)] == [True, True, False]
     assert len({kl.specialization(r) for r in kl.PREWARM_ROWS}) == len(kl.PREWARM_ROWS)
     assert len({kl.specialization(r, 4, True) for r in kl.WGMMA_PREWARM_ROWS}) == len(kl.WGMMA_PREWARM_ROWS)
@@ -264,8 +232,8 @@ def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch, in_p, out
     kernel specializations that ``exl3_linear`` meets at every row count from 1 to 80 (every mma
     configuration and decode_mm), in bf16 and fp16 — nothing compiles lazily after it. Kernels are replaced by
     recorders of Triton's specialization key (nothing runs)."""
-    from exl3rt.kernels import gemv, hadamard, mma, wgmma
-    targets = [(hadamard, "_had_kernel"), (mma, "mma_kernel"), (gemv, "decode_kernel"), (gemv, "gemv_kernel")]
+    from exl3rt.kernels import decode, hadamard, mma, wgmma
+    targets = [(hadamard, "_had_kernel"), (mma, "mma_kernel"), (decode, "decode_kernel")]
     wg = wgmma.available(torch.device(DEV))       # on an H200: 33-256 and 417-512 rows take the wgmma kernel
     if wg:
         targets.append((wgmma, "_wgmma_kernel"))
@@ -460,5 +428,5 @@ def test_fused_layer_bounds_are_checked():
         kl.exl3_linear(x, tr, two, svh, "mcg", path="mma", mma_cfg=MMA, bounds=(100,))
     with pytest.raises(Exception, match="segments"):
         kl.exl3_linear(x, tr, suh, svh, "mcg", path="mma", mma_cfg=MMA, bounds=(128,))
-    with pytest.raises(ValueError, match="gemv"):
-        kl.exl3_linear(x, tr, two, svh, "mcg", path="gemv", bounds=(128,))
+    with pytest.raises(ValueError, match="expected one of"):
+        kl.exl3_linear(x, tr, two, svh, "mcg", path="ffma", bounds=(128,))

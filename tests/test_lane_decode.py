@@ -7,7 +7,7 @@ import torch
 
 from exl3rt.format.bits import words16_per_tile
 from exl3rt.format.reconstruct import decode_stream
-from exl3rt.kernels.gemv import CB_AFFINE, CODEBOOK_IDS
+from exl3rt.kernels.decode import CB_AFFINE, CODEBOOK_IDS
 from exl3rt.kernels.lane_decode import lane_decode_ptx, lane_shift, lane_span_words, lane_words
 from ptx_emulator import run_ptx
 

@@ -11,8 +11,8 @@ from .. import env
 from ..format.bits import Bits, is_half
 from ..format.codebooks import check_codebook
 from ._triton import HAVE_GDC
-from .gemv import CB_AFFINE, CODEBOOK_IDS
-from .gemv import interpreted as interpreting   # the kernels were defined for Triton's CPU interpreter
+from .decode import CB_AFFINE, CODEBOOK_IDS
+from .decode import interpreted as interpreting   # the kernels were defined for Triton's CPU interpreter
 
 
 def kernel_bits(bits: Bits) -> tuple[int, int]:

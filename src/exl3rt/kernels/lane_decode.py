@@ -61,13 +61,13 @@ def lane_decode_ptx(ka: int, half: int, cb: int, mult: int, add: int, halves: bo
 
     Operands: ``$0..$3`` the four f16x2 B registers (positions 0/1, 2/3, 4/5, 6/7: low half = even
     position), ``$4 .. $(3 + NWL)`` the raw words, then ``R`` and the xor constant.
-    ``cb``: 0 = 3INST, 1 = MCG, 2 = MUL1 (``gemv.CODEBOOK_IDS``); ``mult``/``add``: the codebook's
-    first step (``gemv.CB_AFFINE``).
+    ``cb``: 0 = 3INST, 1 = MCG, 2 = MUL1 (``decode.CODEBOOK_IDS``); ``mult``/``add``: the codebook's
+    first step (``decode.CB_AFFINE``).
 
     ``halves`` (MCG/3INST only): no fp16 add — ``$0..$7`` are the eight masked words
     ``(x & 0x8FFF8FFF) ^ 0x3B603B60`` of positions 0..7, each an f16x2 whose two halves sum to the
     position's codebook value before its fp16 rounding (the mma multiplies both halves by the same x'
-    element: :func:`exl3rt.kernels.mma._mma_tiles`); the raw words then start at ``$8``.
+    element: :func:`exl3rt.kernels.mma._tiles_swapped`); the raw words then start at ``$8``.
     """
     if halves and cb == 2:
         raise ValueError("lane_decode_ptx: halves applies to the MCG and 3INST codebooks, not MUL1")

@@ -5,10 +5,9 @@
 
 ``exl3_linear(x, trellis, suh, svh, codebook)`` picks a path by row count (:func:`choose_path`):
 
-* ``gemv`` (only on request, ``path="gemv"``, ≤ 16 rows): pre-pass ``x' = (x ⊙ suh)·Hk`` in fp32, ``gemv.gemv_kernel`` (FFMA,
-  decode on the fly) writes fp32 split-K partials, post-pass ``y = (Σ_s z[s])·Hn ⊙ svh``;
-* ``mma`` (1–64 rows; where the wgmma kernel runs 1–8, and 9–16 at K 1, 2 and 4): the same passes around
-  ``mma.mma_kernel`` — each lane decodes its own ``mma.m16n8k16`` B fragment (the EXL3 tile order is that
+* ``mma`` (1–64 rows; where the wgmma kernel runs 1–8, and 9–16 at K 1, 2 and 4): pre-pass
+  ``x' = (x ⊙ suh)·Hk``, ``mma.mma_kernel`` (decode on the fly) writes fp32 split-K partials, post-pass
+  ``y = (Σ_s z[s])·Hn ⊙ svh``; each lane decodes its own ``mma.m16n8k16`` B fragment (the EXL3 tile order is that
   fragment order), x' in fp16 written by the pre-pass in fragment order (one vector load per lane and k-tile),
   fp32 accumulators; the decode costs the same for 1 or 16 rows, and at 17–32 (33–64) rows one decode feeds two
   (four) 16-row blocks (``MmaConfig.row_blocks``); up to 8 rows the decoded tile is the mma's A operand and x'ᵀ
@@ -17,7 +16,7 @@
   :func:`exl3rt.kernels.wgmma.available`): the same passes (x' row-major) around ``wgmma._wgmma_kernel`` —
   each warp decodes one n-tile's k-tiles straight into the registers of a warpgroup MMA's A operand (Qᵀ),
   x'ᵀ the B operand through TMA into shared memory;
-* ``decode_mm`` (more rows, 257–416, or 65+ rows without wgmma): ``gemv.decode_kernel`` writes Q (fp16, bit-exact)
+* ``decode_mm`` (more rows, 257–416, or 65+ rows without wgmma): ``decode.decode_kernel`` writes Q (fp16, bit-exact)
   once and cuBLAS computes ``x'·Q`` (fp16 operands, fp32 output), then the post-pass.
 
 The Hadamard passes (``hadamard.py``) are 7-stage fp32 butterflies in registers, one launch each.
@@ -41,7 +40,7 @@ from ..format.codebooks import check_codebook
 from ..format.errors import FormatError
 from ..util.ints import next_pow2
 from . import mma as _mm
-from . import gemv as _g
+from . import decode as _dec
 from . import wgmma as _wg
 from .common import cb_args, interpreting, kernel_bits, pdl_args, use_asm, use_pdl
 from .hadamard import gated_had
@@ -53,23 +52,10 @@ from ._triton import HAVE_GDC, triton
 
 Alloc = Callable[[tuple, torch.dtype], torch.Tensor]   # (shape, dtype) -> a scratch tensor on the call's device
 
-GEMV_MAX_ROWS = 16     # the GEMV kernel's largest row block
-GEMV_DISPATCH_ROWS = 0  # the FFMA GEMV runs on request only (path="gemv"): the mma GEMV beats it at every K
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    """Launch parameters of the GEMV: NT n-tiles (16 columns each) per program, warps, and how many
-    programs to aim for when choosing the split of K (0: one split)."""
-    nt: int = 16
-    num_warps: int = 4
-    target_programs: int = 528
-    num_stages: int = 3
-
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters of the Q decode of ``decode_mm`` (``gemv.decode_kernel``): ``nt`` n-tiles per
+    """Launch parameters of the Q decode of ``decode_mm`` (``decode.decode_kernel``): ``nt`` n-tiles per
     program, warps, k-tiles per program (defaults: the best of 36 tried; docs/kernels.md, "Tuned constants")."""
     nt: int = 8
     num_warps: int = 2
@@ -114,18 +100,6 @@ def default_mma_config(rows: int, bits: Bits = 4) -> MmaConfig:
     return DEFAULT_MMA_32_ROWS if rows <= 32 else DEFAULT_MMA_64_ROWS
 
 
-DEFAULT_GEMV = GemvConfig(nt=4, num_warps=1, target_programs=8448)  # best of 16 tried, 4096x14336 K4, H200
-
-
-def default_gemv_config(rows: int) -> GemvConfig:
-    """Per row block: each thread holds (nt·8)/(32·warps) groups of 32 weights; x' loads cost 16·BM
-    per k-tile and thread, so more rows want more groups per thread (2-4), fewer warps."""
-    bm = min(GEMV_MAX_ROWS, next_pow2(rows))
-    if bm == 1:
-        return DEFAULT_GEMV
-    if bm <= 4:
-        return GemvConfig(nt=8, num_warps=1, target_programs=4224)
-    return GemvConfig(nt=16, num_warps=2, target_programs=2112)
 DEFAULT_DECODE = DecodeConfig()
 
 
@@ -196,24 +170,6 @@ def _geometry(trellis: torch.Tensor, codebook: str, nt_max: int, bounds: tuple =
     return in_tiles, tn, nt, kernel_bits(bits_from_trellis(trellis)), cb_args(codebook)
 
 
-def gemv_rotated(xh: torch.Tensor, trellis: torch.Tensor, codebook: str,
-                 cfg: Optional[GemvConfig] = None) -> torch.Tensor:
-    """Split-K partials ``z[s] = x'·Q`` (fp32 ``[splits, rows, out_p]``) for fp32 ``xh`` [rows, in_p]."""
-    rows, in_p = xh.shape
-    cfg = cfg or default_gemv_config(rows)
-    in_tiles, tn, nt, (ka, half), (cb, mult, add) = _geometry(trellis, codebook, cfg.nt)
-    n_blocks = tn // nt
-    bm = min(GEMV_MAX_ROWS, next_pow2(rows))
-    splits, k_per = gemv_splits(in_tiles, n_blocks, cfg.target_programs)
-    z = torch.empty((splits, rows, tn * 16), dtype=torch.float32, device=xh.device)
-    grid = (n_blocks, splits, triton.cdiv(rows, bm))
-    launch(_g.gemv_kernel, grid, xh, trellis.view(torch.int32), z, rows, in_tiles, tn, k_per, xh.stride(0), z.stride(0),
-                          KA=ka, HALF=half, CB=cb, MULT=mult, ADD=add, BM=bm, NT=nt,
-                          ASM=use_asm(xh.device), num_warps=cfg.num_warps,
-                          num_stages=cfg.num_stages)
-    return z
-
-
 def decode_fp16(trellis: torch.Tensor, codebook: str, cfg: DecodeConfig = DEFAULT_DECODE,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Q = ``format.reconstruct.decode(trellis, K, codebook)`` (fp16 ``[in_p, out_p]``, bit-exact) by Triton."""
@@ -222,7 +178,7 @@ def decode_fp16(trellis: torch.Tensor, codebook: str, cfg: DecodeConfig = DEFAUL
     if out is None:
         out = torch.empty((in_tiles * 16, tn * 16), dtype=torch.float16, device=trellis.device)
     grid = (tn // nt, triton.cdiv(in_tiles, k_per))
-    launch(_g.decode_kernel, grid, trellis.view(torch.int32), out, in_tiles, tn, k_per, KA=ka, HALF=half, CB=cb, MULT=mult,
+    launch(_dec.decode_kernel, grid, trellis.view(torch.int32), out, in_tiles, tn, k_per, KA=ka, HALF=half, CB=cb, MULT=mult,
                             ADD=add, NT=nt, ASM=use_asm(trellis.device), num_warps=cfg.num_warps)
     return out
 
@@ -300,7 +256,7 @@ def split_buffer(name: str, acc: Optional[torch.Tensor], atomic: bool, splits: i
     return torch.empty((splits, rows, out_p), dtype=torch.float32, device=device)
 
 
-PATHS = ("auto", "gemv", "mma", "wgmma", "decode_mm")
+PATHS = ("auto", "mma", "wgmma", "decode_mm")
 MMA_MAX_ROWS = 64  # the mma GEMV decodes once per 8 / 16 / 32 / 64 rows; above, decode + cuBLAS wins
 # with the wgmma kernel (Hopper): from WGMMA_MIN_ROWS (the mma GEMV below; WGMMA_MIN_ROWS_WIDE at a K outside
 # MMA_16_BITS) to WGMMA_MAX_ROWS (decode + cuBLAS above), except WGMMA_GAP, where its second 256-row block is
@@ -312,15 +268,12 @@ WGMMA_MAX_ROWS = 512
 WGMMA_GAP = (257, 416)
 
 
-def choose_path(rows: int, gemv_max_rows: int = GEMV_DISPATCH_ROWS, wgmma: bool = False, bits: Bits = 4) -> str:
-    """``gemv`` (fp32 FFMA decode-on-the-fly) up to ``gemv_max_rows`` rows (none by default),
-    ``mma`` (warp-level tensor-core GEMV) up to :data:`MMA_MAX_ROWS`, else ``decode_mm`` (Q to
+def choose_path(rows: int, *, wgmma: bool = False, bits: Bits = 4) -> str:
+    """``mma`` (warp-level tensor-core GEMV) up to :data:`MMA_MAX_ROWS`, else ``decode_mm`` (Q to
     fp16, then cuBLAS); with ``wgmma`` (the device runs it, :func:`exl3rt.kernels.wgmma.available`)
     ``wgmma`` from :data:`WGMMA_MIN_ROWS` rows (:data:`WGMMA_MIN_ROWS_WIDE` at a K of ``bits`` outside
     :data:`MMA_16_BITS`) to :data:`WGMMA_MAX_ROWS`, except :data:`WGMMA_GAP` (257–416 rows: the kernel's second
     256-row block mostly empty, decode + cuBLAS faster)."""
-    if rows <= min(gemv_max_rows, GEMV_MAX_ROWS):
-        return "gemv"
     if wgmma and rows <= WGMMA_MAX_ROWS and not WGMMA_GAP[0] <= rows <= WGMMA_GAP[1]:
         if rows >= (WGMMA_MIN_ROWS if float(bits) in MMA_16_BITS else WGMMA_MIN_ROWS_WIDE):
             return "wgmma"
@@ -328,8 +281,8 @@ def choose_path(rows: int, gemv_max_rows: int = GEMV_DISPATCH_ROWS, wgmma: bool 
 
 
 def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
-                codebook: str, bits: Optional[Bits] = None, *, gemv_max_rows: int = GEMV_DISPATCH_ROWS,
-                path: str = "auto", gemv_cfg: Optional[GemvConfig] = None, mma_cfg: Optional[MmaConfig] = None,
+                codebook: str, bits: Optional[Bits] = None, *, path: str = "auto",
+                mma_cfg: Optional[MmaConfig] = None,
                 decode_cfg: DecodeConfig = DEFAULT_DECODE, out_dtype: Optional[torch.dtype] = None,
                 bounds: tuple = ()) -> torch.Tensor:
     """``y = x·W`` for x ``[rows, in_p]`` (padded), W the EXL3 layer; returns ``[rows, out_p]`` in x's dtype.
@@ -339,21 +292,19 @@ def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
     ``[segments, in_p]`` their input scales, ``bounds`` the output columns where segments 1, 2 … start
     (multiples of 128, at most :data:`MAX_SEGMENTS` segments); ``y[:, a:b] = x·W_g`` for segment g's columns.
 
-    ``path``: ``auto`` (:func:`choose_path`), ``gemv``, ``mma`` (any row count, 16 per row block), ``wgmma``
+    ``path``: ``auto`` (:func:`choose_path`), ``mma`` (any row count, 16 per row block), ``wgmma``
     (Hopper only) or ``decode_mm`` (decode Q to fp16 in memory, then cuBLAS). ``bits`` is only checked against
     the trellis shape (K always follows from the shape). With every option at its default the call goes
     through :func:`planned_linear` (decided once per layer and row count, replayed cheaply).
     """
-    if (path == "auto" and bits is None and gemv_cfg is None and mma_cfg is None and out_dtype is None
-            and gemv_max_rows == GEMV_DISPATCH_ROWS and decode_cfg is DEFAULT_DECODE):
+    if (path == "auto" and bits is None and mma_cfg is None and out_dtype is None
+            and decode_cfg is DEFAULT_DECODE):
         return planned_linear(x, trellis, suh, svh, codebook, bounds)
-    return _linear(x, trellis, suh, svh, codebook, bits, gemv_max_rows=gemv_max_rows, path=path, gemv_cfg=gemv_cfg,
-                   mma_cfg=mma_cfg, decode_cfg=decode_cfg, out_dtype=out_dtype, bounds=bounds)
+    return _linear(x, trellis, suh, svh, codebook, bits, path=path, mma_cfg=mma_cfg, decode_cfg=decode_cfg, out_dtype=out_dtype, bounds=bounds)
 
 
 def _linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str,
-            bits: Optional[Bits] = None, *, gemv_max_rows: int = GEMV_DISPATCH_ROWS, path: str = "auto",
-            gemv_cfg: Optional[GemvConfig] = None, mma_cfg: Optional[MmaConfig] = None,
+            bits: Optional[Bits] = None, *, path: str = "auto", mma_cfg: Optional[MmaConfig] = None,
             decode_cfg: DecodeConfig = DEFAULT_DECODE, out_dtype: Optional[torch.dtype] = None,
             alloc: Optional[Alloc] = None, taken: Optional[list] = None, bounds: tuple = ()) -> torch.Tensor:
     """:func:`exl3_linear` decided and launched in full. ``alloc`` makes every scratch buffer (default
@@ -378,19 +329,9 @@ def _linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torc
         def alloc(shape, dtype):
             return torch.empty(shape, dtype=dtype, device=x.device)
     if path == "auto":
-        path = choose_path(rows, gemv_max_rows, _wg.available(x.device), kbits)
+        path = choose_path(rows, wgmma=_wg.available(x.device), bits=kbits)
     if taken is not None:
         taken.append(path)
-    if path == "gemv":
-        if bounds:
-            raise ValueError("path='gemv' does not run fused layers (segment bounds)")
-        if rows > GEMV_MAX_ROWS:
-            raise ValueError(f"path='gemv' takes at most {GEMV_MAX_ROWS} rows, got {rows}")
-        xh = alloc((rows, in_p), torch.float32)
-        _had(x, suh, xh, pre=True)
-        z = gemv_rotated(xh, trellis, codebook, gemv_cfg)
-        _had(z, svh, y, pre=False, splits=z.shape[0], stride_split=z.stride(0))
-        return y
     if path == "mma":
         pdl = use_pdl(x.device)
         cfg = mma_cfg or default_mma_config(rows, kbits)
@@ -428,7 +369,7 @@ def _linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torc
 
 # ---- plans: each layer's launches at a row count, decided once -------------------------------------------
 
-PLANNED_PATHS = ("mma", "wgmma")   # decode + cuBLAS (and the GEMV on request) run in full every call
+PLANNED_PATHS = ("mma", "wgmma")   # decode + cuBLAS runs in full every call
 WORKSPACE_MAX_BYTES = 32 << 20     # plans with more scratch than this allocate it per call (big prefills)
 MAX_PLANS = 8192                   # then the table starts over (each distinct prompt length makes one per layer)
 
@@ -746,11 +687,11 @@ def prewarm_gated(shapes: Iterable[tuple], rows: Optional[Iterable[int]] = None,
     return n_calls
 
 
-__all__ = ["MAX_SEGMENTS", "seg_tiles", "exl3_linear", "gemv_rotated", "decode_fp16", "prewarm", "prewarm_rows", "GemvConfig", "DecodeConfig",
+__all__ = ["MAX_SEGMENTS", "seg_tiles", "exl3_linear", "decode_fp16", "prewarm", "prewarm_rows", "DecodeConfig",
            "MmaConfig", "mma_rotated", "use_atomic", "xfrag_rows", "choose_path", "default_mma_config", "specialization",
            "PREWARM_ROWS", "WGMMA_PREWARM_ROWS", "WGMMA_MIN_ROWS", "WGMMA_MIN_ROWS_WIDE", "MMA_16_BITS", "WGMMA_MAX_ROWS",
            "WGMMA_GAP", "MMA_MAX_ROWS",
-           "GEMV_MAX_ROWS", "GEMV_DISPATCH_ROWS", "interpreting", "gemv_splits", "split_buffer", "planned_linear",
+           "interpreting", "gemv_splits", "split_buffer", "planned_linear",
            "stream_workspace",
            "reset_plans", "reserve_workspace", "LinearPlan", "PLANNED_PATHS", "WORKSPACE_MAX_BYTES", "MAX_PLANS",
            "exl3_gated_mlp", "gated_mlp_fused", "prewarm_gated"]

@@ -11,7 +11,7 @@ the B-operand registers of lane L for the two n8 halves of the tile. So a warp m
 * the lane loads those words once per tile and shifts them right by ``R = 32·⌈E_L/32⌉ − E_L`` (a
   per-lane constant, 64-bit funnel shifts), after which position p's 16-bit window ends
   ``d_p = (7 − p)·KA + HALF·(4 − ⌊(p + 1)/2⌋)`` bits before the end: compile-time shifts again;
-* states → codebook values (``gemv.decode_values`` arithmetic); on the GPU the whole per-lane decode
+* states → codebook values (``decode.decode_values`` arithmetic); on the GPU the whole per-lane decode
   (normalizing shifts, windows, codebook, packing two positions per ``f16x2`` register) is one
   inline-PTX block generated per K and codebook by :mod:`exl3rt.kernels.lane_decode`;
 * x' (fp16) is the A operand: lane L loads ``x'[g, 16a + 2c + {0, 1, 8, 9}]`` and the same for
@@ -40,7 +40,7 @@ if HAVE_GDC:
 if HAVE_TRITON:
     from triton.runtime.jit import constexpr_function
 
-    from .gemv import decode_values
+    from .decode import decode_values
     from .hadamard import frag_offsets
 
     def _source_key() -> str:
@@ -231,60 +231,158 @@ if HAVE_TRITON:
                    SWAP: tl.constexpr, RB: tl.constexpr, WARPS: tl.constexpr, XFRAG: tl.constexpr = False,
                    blive=None, SKIP: tl.constexpr = False, HALVES: tl.constexpr = False):
         """One k-tile ``ac`` of the NT tiles: decode each tile's words ``wc`` and multiply-accumulate with the
-        x' fragments ``xc`` (the emulation loads x' itself and masks k-tiles past ``a1``); returns the accumulators.
-        ``SKIP``: row blocks ``b > 0`` with ``blive[b]`` false (no row of the block exists) run no mma."""
+        x' fragments ``xc``; returns the accumulators. One of three bodies: the swapped operands (at most 8
+        rows), 16-row blocks, or the plain-Triton emulation (which loads x' itself)."""
+        if not ASM:
+            new_acc = _tiles_emulated(acc, wc, ac, a1, x_ptr, rsh, mm, mmask, stride_x, r_base, KA, HALF, CB, MULT,
+                                      ADD, NT, NWL, SWAP, RB, MB, WARPS, XFRAG)
+        elif SWAP:
+            new_acc = _tiles_swapped(acc, wc, xc, rsh32, xorc, KA, HALF, CB, MULT, ADD, NT, NWL, HALVES)
+        else:
+            new_acc = _tiles_row_blocks(acc, wc, xc, rsh32, xorc, KA, HALF, CB, MULT, ADD, NT, NWL, MB, blive, SKIP)
+        return new_acc
+
+    @triton.jit
+    def _tiles_swapped(acc, wc, xc, rsh32, xorc, KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr,
+                       MULT: tl.constexpr, ADD: tl.constexpr, NT: tl.constexpr, NWL: tl.constexpr,
+                       HALVES: tl.constexpr):
+        """At most 8 rows: the decoded tile is the mma's A operand (Qᵀ; the lane's p01, p45, p23, p67 are its A
+        fragment), x'ᵀ the B operand — one mma per tile. ``HALVES``: A = Qᵀ becomes 16 × 32, position p's word
+        filling two k slots that the B fragment fills with the same x' element (pair slot j < 4 of the first mma
+        holds k = 2j, slot j + 4 k = 2j + 1; the second mma the same at k + 8)."""
         new_acc = ()
-        if ASM and HALVES:
-            # the unrounded halves (SWAP only): A = Qᵀ becomes 16 × 32, position p's word filling two k slots
-            # that the B fragment fills with the same x' element: pair slot j < 4 of the first mma holds
-            # k = 2j, slot j + 4 k = 2j + 1; the second mma the same at k + 8
+        if HALVES:
             xl0, xh0 = _dup_halves(xc[0])
             xl1, xh1 = _dup_halves(xc[1])
         for s_ in tl.static_range(NT):
             raw = wc[s_]
-            if ASM and HALVES:
+            d = acc[s_][0]
+            if HALVES:
                 r0, r1, r2, r3, r4, r5, r6, r7 = _lane_halves(raw, rsh32, xorc, KA, HALF, CB, MULT, ADD, NWL)
-                d = acc[s_][0]
                 d0, d1, d2, d3 = _mma(r0, r4, r1, r5, xl0, xh0, d[0], d[1], d[2], d[3])
                 d0, d1, d2, d3 = _mma(r2, r6, r3, r7, xl1, xh1, d0, d1, d2, d3)
-                new_acc = new_acc + (((d0, d1, d2, d3),),)
-            elif ASM:
-                p01, p23, p45, p67 = _lane_decode(raw, rsh32, xorc, KA, HALF, CB, MULT, ADD, NWL)
-                if SWAP:
-                    d = acc[s_][0]
-                    d0, d1, d2, d3 = _mma(p01, p45, p23, p67, xc[0], xc[1], d[0], d[1], d[2], d[3])
-                    new_acc = new_acc + (((d0, d1, d2, d3),),)
-                else:
-                    nb = ()
-                    for b in tl.static_range(MB):
-                        x0, x1, x2, x3 = xc[b]
-                        d0, d1, d2, d3, d4, d5, d6, d7 = acc[s_][b]
-                        if SKIP and b > 0:
-                            if blive[b]:       # uniform per program: a branch around the block's two mma
-                                d0, d1, d2, d3 = _mma(x0, x1, x2, x3, p01, p23, d0, d1, d2, d3)
-                                d4, d5, d6, d7 = _mma(x0, x1, x2, x3, p45, p67, d4, d5, d6, d7)
-                        else:
-                            d0, d1, d2, d3 = _mma(x0, x1, x2, x3, p01, p23, d0, d1, d2, d3)
-                            d4, d5, d6, d7 = _mma(x0, x1, x2, x3, p45, p67, d4, d5, d6, d7)
-                        nb = nb + ((d0, d1, d2, d3, d4, d5, d6, d7),)
-                    new_acc = new_acc + (nb,)
             else:
-                st = _lane_states(raw, rsh, KA, HALF, NWL)
-                lo = acc[s_][0]
-                hi = acc[s_][1]
-                kvalid = (ac < a1)[None, :]
-                for p in tl.static_range(8):
-                    v = decode_values(st[p], CB, MULT, ADD, False)              # [32·WARPS]
-                    kr = ac * 16 + r_base + (p & 1) + 8 * ((p >> 1) & 1)  # input index per lane
-                    xv = tl.load(x_ptr + _x_offsets(mm[:, None], kr[None, :], stride_x, SWAP, XFRAG),
-                                 mask=mmask[:, None] & kvalid, other=0.0).to(tl.float32)  # [16·MB, 32·WARPS]
-                    prod = tl.reshape(xv * v[None, :], [RB * MB, WARPS, 8, 4])
-                    if p < 4:
-                        lo += tl.sum(prod, axis=3)                       # lanes 4G..4G+3 share column G
-                    else:
-                        hi += tl.sum(prod, axis=3)
-                new_acc = new_acc + ((lo, hi),)
+                p01, p23, p45, p67 = _lane_decode(raw, rsh32, xorc, KA, HALF, CB, MULT, ADD, NWL)
+                d0, d1, d2, d3 = _mma(p01, p45, p23, p67, xc[0], xc[1], d[0], d[1], d[2], d[3])
+            new_acc = new_acc + (((d0, d1, d2, d3),),)
         return new_acc
+
+    @triton.jit
+    def _tiles_row_blocks(acc, wc, xc, rsh32, xorc, KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr,
+                          MULT: tl.constexpr, ADD: tl.constexpr, NT: tl.constexpr, NWL: tl.constexpr,
+                          MB: tl.constexpr, blive, SKIP: tl.constexpr):
+        """16-row blocks: x' is the A operand, the decoded tile the B operand of two mma (its n8 halves) per
+        tile and row block; MB blocks share each decoded tile. ``SKIP``: row blocks ``b > 0`` with ``blive[b]``
+        false (no row of the block exists) run no mma."""
+        new_acc = ()
+        for s_ in tl.static_range(NT):
+            p01, p23, p45, p67 = _lane_decode(wc[s_], rsh32, xorc, KA, HALF, CB, MULT, ADD, NWL)
+            nb = ()
+            for b in tl.static_range(MB):
+                x0, x1, x2, x3 = xc[b]
+                d0, d1, d2, d3, d4, d5, d6, d7 = acc[s_][b]
+                if SKIP and b > 0:
+                    if blive[b]:       # uniform per program: a branch around the block's two mma
+                        d0, d1, d2, d3 = _mma(x0, x1, x2, x3, p01, p23, d0, d1, d2, d3)
+                        d4, d5, d6, d7 = _mma(x0, x1, x2, x3, p45, p67, d4, d5, d6, d7)
+                else:
+                    d0, d1, d2, d3 = _mma(x0, x1, x2, x3, p01, p23, d0, d1, d2, d3)
+                    d4, d5, d6, d7 = _mma(x0, x1, x2, x3, p45, p67, d4, d5, d6, d7)
+                nb = nb + ((d0, d1, d2, d3, d4, d5, d6, d7),)
+            new_acc = new_acc + (nb,)
+        return new_acc
+
+    @triton.jit
+    def _tiles_emulated(acc, wc, ac, a1, x_ptr, rsh, mm, mmask, stride_x, r_base, KA: tl.constexpr,
+                        HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr,
+                        NT: tl.constexpr, NWL: tl.constexpr, SWAP: tl.constexpr, RB: tl.constexpr, MB: tl.constexpr,
+                        WARPS: tl.constexpr, XFRAG: tl.constexpr):
+        """Without inline PTX: the same per-lane states, the codebook in plain Triton, and the two mma as one FMA
+        per weight and row over gathered x' values (k-tiles past ``a1`` masked)."""
+        new_acc = ()
+        for s_ in tl.static_range(NT):
+            st = _lane_states(wc[s_], rsh, KA, HALF, NWL)
+            lo = acc[s_][0]
+            hi = acc[s_][1]
+            kvalid = (ac < a1)[None, :]
+            for p in tl.static_range(8):
+                v = decode_values(st[p], CB, MULT, ADD, False)              # [32·WARPS]
+                kr = ac * 16 + r_base + (p & 1) + 8 * ((p >> 1) & 1)  # input index per lane
+                xv = tl.load(x_ptr + _x_offsets(mm[:, None], kr[None, :], stride_x, SWAP, XFRAG),
+                             mask=mmask[:, None] & kvalid, other=0.0).to(tl.float32)  # [16·MB, 32·WARPS]
+                prod = tl.reshape(xv * v[None, :], [RB * MB, WARPS, 8, 4])
+                if p < 4:
+                    lo += tl.sum(prod, axis=3)                       # lanes 4G..4G+3 share column G
+                else:
+                    hi += tl.sum(prod, axis=3)
+            new_acc = new_acc + ((lo, hi),)
+        return new_acc
+
+    @triton.jit
+    def _zero_acc(NT: tl.constexpr, MB: tl.constexpr, RB: tl.constexpr, WARPS: tl.constexpr, SWAP: tl.constexpr,
+                  ASM: tl.constexpr):
+        """The accumulators, per tile: per row block the C registers of its mma (4 with SWAP, else 8), or (the
+        emulation) ``[row, warp, column 0..7]`` for the tile's two n8 halves."""
+        acc = ()
+        for s_ in tl.static_range(NT):
+            if ASM:
+                zf = tl.zeros([32 * WARPS], tl.float32)
+                ab = ()
+                for b in tl.static_range(MB):
+                    if SWAP:
+                        ab = ab + ((zf, zf, zf, zf),)
+                    else:
+                        ab = ab + ((zf, zf, zf, zf, zf, zf, zf, zf),)
+                acc = acc + (ab,)
+            else:
+                zf = tl.zeros([RB * MB, WARPS, 8], tl.float32)
+                acc = acc + ((zf, zf),)
+        return acc
+
+    @triton.jit
+    def _store_swapped(acc, zrow, rows, m0, g, c, tile0, out_p, NT: tl.constexpr, TSTRIDE: tl.constexpr,
+                       ATOMIC: tl.constexpr):
+        """C = (Qᵀ·x'ᵀ) fragment: d0/d1 = (column g, rows 2c / 2c + 1), d2/d3 the same at column g + 8."""
+        rw = m0 + 2 * c
+        m_a = rw < rows
+        m_b = (rw + 1) < rows
+        for s_ in tl.static_range(NT):
+            pz = zrow + rw * out_p + (tile0 + s_ * TSTRIDE) * 16 + g
+            d = acc[s_][0]
+            _put(pz, d[0], m_a, ATOMIC)
+            _put(pz + out_p, d[1], m_b, ATOMIC)
+            _put(pz + 8, d[2], m_a, ATOMIC)
+            _put(pz + out_p + 8, d[3], m_b, ATOMIC)
+
+    @triton.jit
+    def _store_row_blocks(acc, zrow, ra, mlo, mhi, c, tile0, out_p, one, NT: tl.constexpr, TSTRIDE: tl.constexpr,
+                          MB: tl.constexpr, ATOMIC: tl.constexpr):
+        """C = x'·Q fragments of each row block: rows g / g + 8, columns 2c, 2c + 1 and the same at + 8."""
+        for b in tl.static_range(MB):
+            for s_ in tl.static_range(NT):
+                col = (tile0 + s_ * TSTRIDE) * 16 + 2 * c * one
+                plo = zrow + (ra + 16 * b) * out_p + col
+                phi = plo + 8 * out_p
+                d = acc[s_][b]
+                _put(plo, d[0], mlo[b], ATOMIC)
+                _put(plo + 1, d[1], mlo[b], ATOMIC)
+                _put(phi, d[2], mhi[b], ATOMIC)
+                _put(phi + 1, d[3], mhi[b], ATOMIC)
+                _put(plo + 8, d[4], mlo[b], ATOMIC)
+                _put(plo + 9, d[5], mlo[b], ATOMIC)
+                _put(phi + 8, d[6], mhi[b], ATOMIC)
+                _put(phi + 9, d[7], mhi[b], ATOMIC)
+
+    @triton.jit
+    def _store_emulated(acc, zrow, mm, mmask, pid_n, out_p, NT: tl.constexpr, WARPS: tl.constexpr,
+                        ATOMIC: tl.constexpr):
+        cg = tl.arange(0, 8)
+        wi = tl.arange(0, WARPS)
+        for s_ in tl.static_range(NT):
+            col = ((pid_n * NT + s_) * WARPS + wi)[:, None] * 16 + cg[None, :]      # [WARPS, 8]
+            pz = zrow + mm[:, None, None] * out_p + col[None, :, :]
+            _put(pz, acc[s_][0], mmask[:, None, None], ATOMIC)
+            _put(pz + 8, acc[s_][1], mmask[:, None, None], ATOMIC)
 
     @triton.jit(do_not_specialize=["rows", "one", "seg_b1", "seg_b2"])
     def mma_kernel(x_ptr, w_ptr, z_ptr, rows, in_tiles, tn_total, k_per, stride_x, stride_zs, one,
@@ -318,27 +416,31 @@ if HAVE_TRITON:
                   SWAP: tl.constexpr = False, PDL: tl.constexpr = False, UNROLL: tl.constexpr = 2,
                   XFRAG: tl.constexpr = False, SKIP: tl.constexpr = False, HALVES: tl.constexpr = False,
                   ATOMIC: tl.constexpr = False):
-        """Rows ``m0 .. m0 + 16·MB − 1`` (those < ``rows``; MB 16-row blocks share each decoded tile) of ``z = x'·Q[a0·16 : a1·16, :]`` for the n-tiles of
-        ``pid_n``, stored at ``zrow`` (``[rows, out_p]`` fp32); ``w_ptr`` points at Q's first tile.
+        """Rows ``m0 .. m0 + 16·MB − 1`` (those < ``rows``; MB 16-row blocks share each decoded tile) of
+        ``z = x'·Q[a0·16 : a1·16, :]`` for the n-tiles of ``pid_n``, stored at ``zrow`` (``[rows, out_p]`` fp32);
+        ``w_ptr`` points at Q's first tile.
+
+        Top to bottom: the lane's word pointers and x' addressing, the accumulators, a software-pipelined loop
+        over the split's k-tiles (each iteration loads the next k-tile's words and x' before it decodes and
+        multiplies this one), the stores. What differs by mode lives in one helper per mode:
+        :func:`_tiles_swapped` / :func:`_store_swapped` (``SWAP``, at most 8 rows: the decoded tile is the mma's
+        A operand, one mma per tile), :func:`_tiles_row_blocks` / :func:`_store_row_blocks` (16-row blocks) and
+        :func:`_tiles_emulated` / :func:`_store_emulated` (no inline PTX: the interpreter).
 
         Tensors are 1-D ``[32·WARPS]`` (one element per thread: element i lives in lane i mod 32 of
         warp i div 32, the only layout Triton can give them once no load is vectorizable),
         accumulators in tuples. Warp w handles tiles ``pid_n·NT·WARPS + s·WARPS + w`` (s < NT) over all
         k-tiles of the split.
 
-        ``SWAP`` (at most 8 rows, not with MB > 1): the decoded tile is the mma's *A* operand
-        (Qᵀ, 16 × 16: the lane's registers p01, p45, p23, p67 are exactly its A fragment) and x'ᵀ the B
-        operand (16 × 8): one ``mma.m16n8k16`` per tile instead of two, 4 accumulators instead of 8.
-
         ``XFRAG``: x' is stored in fragment order (``hadamard.xfrag_offsets``, rows padded with zeros to whole
         row blocks; ``stride_x`` is then int32 words per row block): the lane's 2 (SWAP) or 4 consecutive words per
         k-tile and row block, loaded as a ``[32, 2]`` / ``[32, 4]`` tensor (each load instruction reads 32
         consecutive words; SASS then moves them to their lanes). ``UNROLL`` (1 or 2): k-tiles per warp and loop
         iteration (``default_unroll``). ``HALVES`` (MCG/3INST, allowed by the host): with SWAP and where the K has
-        normalizing shifts (:func:`_halves_for`), each weight enters the mma as its two unrounded fp16 halves (two
-        mma per tile, x' duplicated; docs/kernels.md). ``SKIP`` (MB > 1,
-        fragment order): 16-row blocks with no row below ``rows`` load no x' and run no mma (the MoE's route
-        blocks, whose padding slots fill whole 16-row blocks of a 32/64-route block). ``ATOMIC``: the results are added to ``zrow`` (``red.add.f32``) instead of stored.
+        normalizing shifts (:func:`_halves_for`), each weight enters the mma as its two unrounded fp16 halves.
+        ``SKIP`` (MB > 1, fragment order): 16-row blocks with no row below ``rows`` load no x' and run no mma (the
+        MoE's route blocks, whose padding slots fill whole 16-row blocks of a 32/64-route block). ``ATOMIC``: the
+        results are added to ``zrow`` (``red.add.f32``) instead of stored.
         """
         RB: tl.constexpr = 8 if SWAP else 16                       # rows per row block
         HV: tl.constexpr = _halves_for(HALVES, SWAP, KA, HALF)  # this K takes the unrounded halves
@@ -382,16 +484,6 @@ if HAVE_TRITON:
             else:
                 xs = (xa_lo, mrow, mlo, mhi, rstride)
             xorc = (lane * 0 + one * 0x3B603B60).to(tl.uint32)   # a register, not an immediate
-            acc = ()                                              # per tile and row block: 2 mma × 4 C registers
-            for s_ in tl.static_range(NT):
-                zf = tl.zeros([32 * WARPS], tl.float32)
-                ab = ()
-                for b in tl.static_range(MB):
-                    if SWAP:
-                        ab = ab + ((zf, zf, zf, zf),)
-                    else:
-                        ab = ab + ((zf, zf, zf, zf, zf, zf, zf, zf),)
-                acc = acc + (ab,)
             r_base = 0                                            # (the emulation's; unused here)
             mm = 0
             mmask = 0
@@ -401,10 +493,7 @@ if HAVE_TRITON:
             r_base = 2 * (lane % 4)                               # row of p = 0
             mm = m0 + tl.arange(0, RB * MB)
             mmask = mm < rows
-            acc = ()                                              # emulation: [row, warp, column 0..7] × 2
-            for s_ in tl.static_range(NT):
-                zf = tl.zeros([RB * MB, WARPS, 8], tl.float32)
-                acc = acc + ((zf, zf),)
+        acc = _zero_acc(NT, MB, RB, WARPS, SWAP, ASM)
         # software pipelining: the words (and x' fragments) of the next k-tile are loaded before this
         # one is decoded, so each lane has two tiles' loads in flight.
         ak = tl.minimum(a0 + kw, a1 - 1)
@@ -445,42 +534,12 @@ if HAVE_TRITON:
                 acc = _mma_tiles(acc, wc, xc, ac, a1, x_ptr, rsh, rsh32, xorc, mm, mmask, stride_x, r_base,
                                  KA, HALF, CB, MULT, ADD, NT, NWL, ASM, MB, SWAP, RB, WARPS, XFRAG, blive, SKIP, HV)
         out_p = tn_total * 16
-        if ASM:
-            if SWAP:
-                # C = (Qᵀ·x'ᵀ) fragment: d0/d1 = (column g, rows 2c / 2c + 1), d2/d3 the same at column g + 8
-                rw = m0 + 2 * c
-                m_a = rw < rows
-                m_b = (rw + 1) < rows
-                for s_ in tl.static_range(NT):
-                    pz = zrow + rw * out_p + (tile0 + s_ * TSTRIDE) * 16 + g
-                    d = acc[s_][0]
-                    _put(pz, d[0], m_a, ATOMIC)
-                    _put(pz + out_p, d[1], m_b, ATOMIC)
-                    _put(pz + 8, d[2], m_a, ATOMIC)
-                    _put(pz + out_p + 8, d[3], m_b, ATOMIC)
-            else:
-                for b in tl.static_range(MB):
-                    for s_ in tl.static_range(NT):
-                        col = (tile0 + s_ * TSTRIDE) * 16 + 2 * c * one
-                        plo = zrow + (ra + 16 * b) * out_p + col
-                        phi = plo + 8 * out_p
-                        d = acc[s_][b]
-                        _put(plo, d[0], mlo[b], ATOMIC)
-                        _put(plo + 1, d[1], mlo[b], ATOMIC)
-                        _put(phi, d[2], mhi[b], ATOMIC)
-                        _put(phi + 1, d[3], mhi[b], ATOMIC)
-                        _put(plo + 8, d[4], mlo[b], ATOMIC)
-                        _put(plo + 9, d[5], mlo[b], ATOMIC)
-                        _put(phi + 8, d[6], mhi[b], ATOMIC)
-                        _put(phi + 9, d[7], mhi[b], ATOMIC)
+        if not ASM:
+            _store_emulated(acc, zrow, mm, mmask, pid_n, out_p, NT, WARPS, ATOMIC)
+        elif SWAP:
+            _store_swapped(acc, zrow, rows, m0, g, c, tile0, out_p, NT, TSTRIDE, ATOMIC)
         else:
-            cg = tl.arange(0, 8)
-            wi = tl.arange(0, WARPS)
-            for s_ in tl.static_range(NT):
-                col = ((pid_n * NT + s_) * WARPS + wi)[:, None] * 16 + cg[None, :]      # [WARPS, 8]
-                pz = zrow + mm[:, None, None] * out_p + col[None, :, :]
-                _put(pz, acc[s_][0], mmask[:, None, None], ATOMIC)
-                _put(pz + 8, acc[s_][1], mmask[:, None, None], ATOMIC)
+            _store_row_blocks(acc, zrow, ra, mlo, mhi, c, tile0, out_p, one, NT, TSTRIDE, MB, ATOMIC)
 
     @triton.jit
     def _lane_states(raw, rsh, KA: tl.constexpr, HALF: tl.constexpr, NWL: tl.constexpr):

@@ -172,7 +172,7 @@ def _kernel():
     """:func:`exl3rt.kernels.linear.exl3_linear` (None without Triton), imported on first use: importing it
     loads Triton."""
     if not _KERNEL:
-        from .gemv import HAVE_TRITON
+        from .decode import HAVE_TRITON
         if HAVE_TRITON:
             from .linear import exl3_linear
             _KERNEL.append(exl3_linear)

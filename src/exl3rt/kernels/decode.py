@@ -1,12 +1,8 @@
-"""Triton decode-on-the-fly kernels for EXL3 linears: GEMV (rows 1-16) and decode-to-fp16.
+"""The trellis decode in Triton: codebook values of 16-bit states, and Q decoded to fp16 in memory.
 
-Math
-----
-The layer computes ``y = x·W`` with ``W = diag(suh)·Hk·Q·Hn·diag(svh)`` (``format.reconstruct``).
-The kernels here see only the rotated basis: given ``x' = (x ⊙ suh)·Hk`` (fp32 ``[rows, in_p]``)
-the GEMV computes ``z = x'·Q`` (fp32 partial sums ``[splits, rows, out_p]``, summed by the
-post-pass), decoding each 16×16 tile of Q from its trellis words as it streams them; the
-decode kernel writes Q itself (fp16 ``[in_p, out_p]``, bit-exact) for the large-row path.
+``decode_values`` turns trellis states into codebook values; the mma GEMV (``mma.py``) runs the same
+arithmetic per lane. ``decode_kernel`` writes Q itself (fp16 ``[in_p, out_p]``, bit-exact with
+``format.reconstruct.decode``) for the large-row path, where cuBLAS then computes ``x'·Q``.
 
 Decode geometry (one tile = a tail-biting ring of 256·K bits, ``format/bitstream.py``)
 -------------------------------------------------------------------------------------
@@ -24,14 +20,11 @@ does::
     x     = state * M (+ A)                          # IMAD (3inst: the add folds into IMAD)
     mcg/3inst: v = f16(lo(x & 0x8FFF8FFF ^ 0x3B603B60)) + f16(hi(...))    # LOP3, HADD2, HADD2.F32
     mul1:      v = fma.f16(f16(dp4a(x, 0x01010101, 0x6400)), 1/…, bias)   # IDP4A, HFMA2, HADD2.F32
-    acc  += x'[row(u)] * v                           # FFMA per row
 
 The tile permutation (tensor-core order, ``format/tiles.py``) factors through the group: with
 ``t = GP·G + u``, the row of Q inside the tile is ``r(u) = 2·((u>>3)&3) + (u&1) + 8·((u>>1)&1)``
-(u only) and the column is ``c = (GP/32)·G + (u>>5) + 8·((u>>2)&1)``. So the x' value of a
-position is one of the 16 per-k-tile scalars (loaded once per k-tile and row), and the column
-only selects one of ``2·GP/32`` accumulators ``[BM, NT, NG]``; the permutation back to natural
-column order happens once, in the epilogue (join + permute + reshape).
+(u only) and the column is ``c = (GP/32)·G + (u>>5) + 8·((u>>2)&1)``; ``_decode_tile`` joins the
+values of a group along one axis per bit of u and permutes them to natural order once.
 
 On the GPU (``ASM=True``) the fp16 half-sum / mul1 dp4a+fma use ``tl.inline_asm_elementwise``
 (the interpreter runs the same arithmetic in plain Triton ops, bit-identical).
@@ -100,67 +93,6 @@ if HAVE_TRITON:
                 hi = (y >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
                 v = (lo + hi).to(tl.float16).to(tl.float32)  # exact fp32 sum, one fp16 rounding
         return v
-
-    @triton.jit(do_not_specialize=["rows"])
-    def gemv_kernel(x_ptr, w_ptr, z_ptr, rows, in_tiles, tn_total, k_per, stride_x, stride_zs,
-                     KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr, MULT: tl.constexpr,
-                     ADD: tl.constexpr, BM: tl.constexpr, NT: tl.constexpr, ASM: tl.constexpr):
-        """z[split, m, n] = Σ_{k in split} x'[m, k]·Q[k, n] for NT n-tiles, BM rows, one K-split."""
-        GP: tl.constexpr = 32 * (1 + HALF)
-        NG: tl.constexpr = 256 // GP
-        WG: tl.constexpr = (GP * KA) // 32 + HALF
-        NW: tl.constexpr = NG * WG
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        pid_m = tl.program_id(2)
-        b = pid_n * NT + tl.arange(0, NT)
-        g = tl.arange(0, NG)
-        base = b[:, None] * NW + g[None, :] * WG                           # [NT, NG] word offsets
-        poff = b[:, None] * NW + (g[None, :] * WG + (NW - 1)) % NW          # the word before each group
-        m = pid_m * BM + tl.arange(0, BM)
-        mmask = m < rows
-        xrow = x_ptr + m * stride_x
-        acc0 = tl.zeros([BM, NT, NG], tl.float32)
-        acc1 = tl.zeros([BM, NT, NG], tl.float32)
-        acc2 = tl.zeros([BM, NT, NG], tl.float32)
-        acc3 = tl.zeros([BM, NT, NG], tl.float32)
-        a0 = pid_k * k_per
-        a1 = tl.minimum(a0 + k_per, in_tiles)
-        for a in range(a0, a1):
-            wrow = w_ptr + a * tn_total * NW
-            xs = ()
-            for r in tl.static_range(16):
-                xs = xs + (tl.load(xrow + (a * 16 + r), mask=mmask, other=0.0),)
-            prev = tl.load(wrow + poff).to(tl.uint32, bitcast=True)
-            for i in tl.static_range(WG):
-                cur = tl.load(wrow + base + i).to(tl.uint32, bitcast=True)
-                for u in tl.static_range(GP):
-                    if (((u + 1) * KA + HALF * ((u + 1) // 2)) - 1) // 32 == i:
-                        st = _extract(prev, cur, (u + 1) * KA + HALF * ((u + 1) // 2) - 32 * i)
-                        v = decode_values(st, CB, MULT, ADD, ASM)
-                        p = xs[2 * (((u % 32) >> 3) & 3) + (u & 1) + 8 * ((u >> 1) & 1)][:, None, None] \
-                            * v[None, :, :]
-                        # accumulator of column class (u >> 5) + 2·((u >> 2) & 1)
-                        if (u >> 5) + 2 * ((u >> 2) & 1) == 0:
-                            acc0 += p
-                        elif (u >> 5) + 2 * ((u >> 2) & 1) == 1:
-                            acc1 += p
-                        elif (u >> 5) + 2 * ((u >> 2) & 1) == 2:
-                            acc2 += p
-                        else:
-                            acc3 += p
-                prev = cur
-        # epilogue: column c = (GP/32)·G + (u>>5) + 8·c3 -> natural order n = 16·b + c
-        if HALF:
-            lo = tl.reshape(tl.join(acc0, acc1), [BM, NT, 8])     # c3 = 0: c = 2G + h
-            hi = tl.reshape(tl.join(acc2, acc3), [BM, NT, 8])     # c3 = 1
-        else:
-            lo = acc0
-            hi = acc2
-        out = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), [BM, NT * 16])
-        n = pid_n * NT * 16 + tl.arange(0, NT * 16)
-        zp = z_ptr + pid_k * stride_zs + m[:, None] * (tn_total * 16) + n[None, :]
-        tl.store(zp, out, mask=mmask[:, None])
 
     @triton.jit
     def _decode_tile(wrow, base, poff, KA: tl.constexpr, HALF: tl.constexpr, CB: tl.constexpr,
@@ -231,4 +163,4 @@ if HAVE_TRITON:
 
 def interpreted() -> bool:
     """True when these kernels were defined for Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return HAVE_TRITON and type(gemv_kernel).__name__ == "InterpretedFunction"
+    return HAVE_TRITON and type(decode_kernel).__name__ == "InterpretedFunction"
