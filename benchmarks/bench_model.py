@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import commit, write_json  # noqa: E402
+from common import commit, median_ms, write_json  # noqa: E402
 
 CONFIGS = {
     # Llama-3-8B's shapes
@@ -119,19 +119,7 @@ def to_exl3(model, bits, moe_mixed: bool, fuse: str = "on"):
 
 def timed(fn, iters: int, warmup: int = 3) -> float:
     """Median ms of ``fn()`` over ``iters`` calls, each between two CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    return median_ms(fn, iters, warmup=warmup)
 
 
 def interleaved_eager(args) -> dict:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import commit, write_json  # noqa: E402
+from common import finish_tp_check  # noqa: E402
 from exl3rt.format import EncodedLinear, reconstruct  # noqa: E402
 from exl3rt.format.bits import words16_per_tile  # noqa: E402
 from exl3rt.moe.rank_checkpoint import load_rank_sliced, save_rank_sliced  # noqa: E402
@@ -156,12 +156,8 @@ def main() -> int:
         print(f"{r['layout']:<11} {r['dtype']:<8} {str(r['ranks_agree']):>11} {r['max_abs_err']:>12.3e} "
               f"{r['rel_err']:>10.3e} {r['tol']:>7.0e}  {'ok' if r['ok'] else 'FAIL'}")
     worst = max(r["rel_err"] for r in rows)
-    print(f"{'OK' if ok else 'FAIL'}: max relative error {worst:.3e} (TP={args.tp}, {args.backend}, "
-          f"{args.experts} experts K3/K4, H={args.hidden}, I={args.intermediate})")
-    device = torch.cuda.get_device_name(0) if args.backend == "nccl" else "cpu"
-    write_json(args.json, {"commit": commit(), "device": device, "backend": args.backend, "tp": args.tp,
-                           "torch": torch.__version__, "config": vars(args), "rows": rows, "ok": ok})
-    return 0 if ok else 1
+    return finish_tp_check(args, rows, ok, f"max relative error {worst:.3e} (TP={args.tp}, {args.backend}, "
+                           f"{args.experts} experts K3/K4, H={args.hidden}, I={args.intermediate})")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,3 +25,40 @@ def write_json(path: str | Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def median_ms(fn, iters: int, *, warmup: int = 0, cuda: bool = True) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` calls after ``warmup`` untimed ones: each call between two
+    CUDA events (``cuda``), else by the host's clock."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def finish_tp_check(args, rows: list, ok: bool, summary: str) -> int:
+    """The end of a tensor-parallel check: print ``OK``/``FAIL`` with ``summary``, write the JSON (commit, device,
+    backend, TP size, torch, the arguments, the rows) to ``args.json``, return the exit code."""
+    import torch
+
+    print(f"{'OK' if ok else 'FAIL'}: {summary}")
+    device = torch.cuda.get_device_name(0) if args.backend == "nccl" else "cpu"
+    write_json(args.json, {"commit": commit(), "device": device, "backend": args.backend, "tp": args.tp,
+                           "torch": torch.__version__, "config": vars(args), "rows": rows, "ok": ok})
+    return 0 if ok else 1
