@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The closing rerun on the device machine after a kernel or runtime change, one stage per device call (each call
+# may run 10 minutes; run them back to back while the machine is warm). Carry .whl (blake3 and gguf wheels for
+# Python 3.12) and, for the golden tests, out/golden. Results land in $OUT.
+#
+#   STAGE=tests  the GPU test files of the kernels, the MoE launches, the gated MLP and the launch plans
+#   STAGE=linear bench_linear.py's grid at K 2/4/6 (three layers, rows 1/4/16/64/256/2048) and bench_moe.py
+#   STAGE=model  bench_model.py: the 8B-shaped model's graph, compiled and decode rows at K2/K4, then eager
+#                interleaved with BF16 (host-sensitive: read the ratios, not the milliseconds)
+#   STAGE=tp     (nvidia-h200-x2) check_tp_layers.py and check_moe_tp_nccl.py over NCCL on two GPUs
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
+export EXL3RT_GOLDEN_DIR=$PWD/out/golden
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi -L
+case "${STAGE:?set STAGE to tests, linear, model or tp}" in
+tests)
+    python3 -m pytest -q --noconftest -x tests/test_kernels.py tests/test_lane_decode.py tests/test_moe_kernel.py \
+        tests/test_wgmma.py tests/test_moe_wgmma.py tests/test_gated_mlp.py tests/test_launch_plans.py \
+        tests/test_fusion.py tests/test_custom_ops.py 2>&1 | tail -15 | tee "$OUT/tests.txt" ;;
+linear)
+    python3 benchmarks/bench_linear.py --bits 2 4 6 --iters 100 --out "$OUT/linear_cuda.json" 2>&1 | tail -45
+    python3 benchmarks/bench_moe.py --inter 2048 --rows 1 8 32 512 --out "$OUT/moe_cuda.json" 2>&1 | tail -12 ;;
+model)
+    python3 benchmarks/bench_model.py --bits 2 4 --modes graph compiled --prefill 0 --iters 30 2>&1 | tail -20
+    python3 benchmarks/bench_model.py --bits 4 --interleave --rounds 6 --decode 0 --prefill 0 2>&1 | tail -12
+    cp benchmarks/results/model_llama8b*.json "$OUT/" ;;
+tp)
+    python3 benchmarks/check_tp_layers.py --json "$OUT/tp_layers.json" 2>&1 | tail -12
+    python3 benchmarks/check_moe_tp_nccl.py --json "$OUT/moe_tp_nccl.json" 2>&1 | tail -6 ;;
+*)
+    echo "unknown STAGE=$STAGE" >&2; exit 2 ;;
+esac
