@@ -354,15 +354,14 @@ def test_dependent_launch_builds_wait_where_the_chain_needs_it():
     (``ACQBULK``, once per tier's pass; no early trigger, ``PREEXIT``); without ``PDL`` neither instruction. The
     pre-pass triggers its dependent (``PREEXIT``) only after its own wait (so the tiered launch's early reads
     find the packer done); the post-pass triggers first."""
-    from exl3rt.kernels import linear as kl, mma as _mm
+    from exl3rt.kernels import linear as kl
     cb, mult, add = kc.cb_args("mcg")
     args = {n: "i32" for n in ("numel", "rows", "k_tiles", "n_tiles", "k_per", "stride_x", "stride_zs", "one",
                                "n_blocks", "stride_xp", "stride_zp")}
     args.update({"x_ptr": "*fp16", "z_ptr": "*fp32", "blk_ptr": "*i32", "desc_ptr": "*i32", "npad_ptr": "*i32",
                  "routes_ptr": "*i32", **{f"{c}{i}": "*i32" for c in "wv" for i in range(4)}})
     for pdl in (False, True):
-        const = dict(SHIFT=8, NTIERS=2, K0A=3, K0H=0, N0=_mm.words_per_lane(3), K1A=4, K1H=0, N1=_mm.words_per_lane(4),
-                     K2A=1, K2H=0, N2=2, K3A=1, K3H=0, N3=2, CB=cb, MULT=mult, ADD=add, NT=4, WARPS=1, BLOCK_M=8,
+        const = dict(SHIFT=8, TIERS=kc.tier_spec([3, 4]), CB=cb, MULT=mult, ADD=add, NT=4, WARPS=1, BLOCK_M=8,
                      ASM=True, NPROJ=2, XFRAG=True, MB=1, REAL=True, HALVES=True, ATOMIC=True, PDL=pdl)
         ops = _sm90_ops("exl3rt.kernels.moe", "_moe_mma_kernel", args, const)
         waits = [i for i, o in enumerate(ops) if o.startswith("ACQBULK")]

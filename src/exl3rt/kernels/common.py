@@ -10,7 +10,7 @@ import torch
 from .. import env
 from ..format.bits import Bits, is_half
 from ..format.codebooks import check_codebook
-from ._triton import HAVE_GDC
+from ._triton import HAVE_GDC, HAVE_TRITON
 from .decode import CB_AFFINE, CODEBOOK_IDS
 from .decode import interpreted as interpreting   # the kernels were defined for Triton's CPU interpreter
 
@@ -56,4 +56,27 @@ def pdl_args(device: torch.device) -> dict:
     return {"PDL": True, "launch_pdl": True} if use_pdl(device) else {}
 
 
-__all__ = ["interpreting", "kernel_bits", "cb_args", "use_asm", "use_pdl", "pdl_args"]
+def tier_spec(tier_bits) -> str:
+    """The ``TIERS`` compile-time argument of the MoE tiered launches: per tier ``KA.HALF.NWL`` (K's whole bits,
+    its half bit, the lane decode's words per lane), comma-separated; :func:`tier_count` and :func:`tier_field`
+    read it inside a kernel, which holds one decode loop per tier."""
+    from .lane_decode import lane_span_words
+    return ",".join("{}.{}.{}".format(*kernel_bits(b), lane_span_words(*kernel_bits(b))) for b in tier_bits)
+
+
+if HAVE_TRITON:
+    from triton.runtime.jit import constexpr_function
+
+    @constexpr_function
+    def tier_count(tiers):
+        """The number of tiers in a :func:`tier_spec` string."""
+        return len(str(tiers).split(","))
+
+    @constexpr_function
+    def tier_field(tiers, t, i):
+        """Field ``i`` (0: KA, 1: HALF, 2: NWL) of tier ``t`` in a :func:`tier_spec` string."""
+        return int(str(tiers).split(",")[t].split(".")[i])
+
+
+__all__ = ["interpreting", "kernel_bits", "cb_args", "use_asm", "use_pdl", "pdl_args", "tier_spec", "tier_count",
+           "tier_field"]

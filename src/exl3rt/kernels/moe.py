@@ -44,7 +44,7 @@ from . import moe_wgmma as _mwg
 from ._triton import HAVE_TRITON, tl, triton
 from .launch import (Recording, Replay, current_stream, direct_launch_ok, launch, plans_epoch, run_plan,
                      scratch_layout)
-from .common import cb_args, interpreting, kernel_bits, pdl_args, use_asm, use_pdl
+from .common import cb_args, interpreting, pdl_args, tier_spec, use_asm, use_pdl
 from .linear import gemv_splits, stream_workspace, use_halves
 
 MAX_TIERS = 4
@@ -61,7 +61,9 @@ MIN_SPLIT_K_TILES_ATOMIC = 8
 #: n-tiles per program of a tiered launch: four at every route block
 DEFAULT_NT = 4
 
+
 if HAVE_TRITON:
+    from .common import tier_count, tier_field
     from .mma import mma_pass, unroll_for
 
     @triton.jit
@@ -89,13 +91,8 @@ if HAVE_TRITON:
     # or a prewarm at one row count would not cover another
     @triton.jit(do_not_specialize=["rows", "one", "k_per", "numel"])
     def _moe_mma_kernel(x_ptr, z_ptr, blk_ptr, desc_ptr, npad_ptr, routes_ptr, numel, w0, w1, w2, w3, v0, v1, v2, v3,
-                        rows, k_tiles,
-                        n_tiles, k_per, stride_x, stride_zs, one, n_blocks, stride_xp, stride_zp,
-                        SHIFT: tl.constexpr, NTIERS: tl.constexpr,
-                        K0A: tl.constexpr, K0H: tl.constexpr, N0: tl.constexpr,
-                        K1A: tl.constexpr, K1H: tl.constexpr, N1: tl.constexpr,
-                        K2A: tl.constexpr, K2H: tl.constexpr, N2: tl.constexpr,
-                        K3A: tl.constexpr, K3H: tl.constexpr, N3: tl.constexpr,
+                        rows, k_tiles, n_tiles, k_per, stride_x, stride_zs, one, n_blocks, stride_xp, stride_zp,
+                        SHIFT: tl.constexpr, TIERS: tl.constexpr,
                         CB: tl.constexpr, MULT: tl.constexpr, ADD: tl.constexpr, NT: tl.constexpr,
                         WARPS: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr, NPROJ: tl.constexpr,
                         XFRAG: tl.constexpr = False, MB: tl.constexpr = 1, REAL: tl.constexpr = False,
@@ -125,6 +122,8 @@ if HAVE_TRITON:
                 w1 = v1
                 w2 = v2
                 w3 = v3
+        ws = (w0, w1, w2, w3)
+        NTIERS: tl.constexpr = tier_count(TIERS)
         a0 = pid_k * k_per
         a1 = tl.minimum(a0 + k_per, k_tiles)
         z_ptr = z_ptr + pid_k * stride_zs
@@ -142,25 +141,11 @@ if HAVE_TRITON:
             # (mma.SWAP: one mma per tile, half the accumulators); else 16-route passes
             for mb in tl.static_range(0, BLOCK_M, 8 if BLOCK_M <= 8 else 16 * MB):
                 m0 = j * BLOCK_M + mb
-                if tier == 0:
-                    _tier_pass(x_ptr, w0, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
-                               K0A, K0H, CB, MULT, ADD, NT, WARPS, N0, ASM, BLOCK_M <= 8, XFRAG, MB,
-                               HALVES, ATOMIC, PDL)
-                if NTIERS > 1:
-                    if tier == 1:
-                        _tier_pass(x_ptr, w1, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
-                                   K1A, K1H, CB, MULT, ADD, NT, WARPS, N1, ASM, BLOCK_M <= 8, XFRAG, MB,
-                                   HALVES, ATOMIC, PDL)
-                if NTIERS > 2:
-                    if tier == 2:
-                        _tier_pass(x_ptr, w2, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
-                                   K2A, K2H, CB, MULT, ADD, NT, WARPS, N2, ASM, BLOCK_M <= 8, XFRAG, MB,
-                                   HALVES, ATOMIC, PDL)
-                if NTIERS > 3:
-                    if tier == 3:
-                        _tier_pass(x_ptr, w3, z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x, one,
-                                   K3A, K3H, CB, MULT, ADD, NT, WARPS, N3, ASM, BLOCK_M <= 8, XFRAG, MB,
-                                   HALVES, ATOMIC, PDL)
+                for t in tl.static_range(NTIERS):
+                    if tier == t:
+                        _tier_pass(x_ptr, ws[t], z_ptr, lim, m0, local, a0, a1, k_tiles, n_tiles, pid_n, stride_x,
+                                   one, tier_field(TIERS, t, 0), tier_field(TIERS, t, 1), CB, MULT, ADD, NT, WARPS,
+                                   tier_field(TIERS, t, 2), ASM, BLOCK_M <= 8, XFRAG, MB, HALVES, ATOMIC, PDL)
 
 
 def default_target_programs(device: torch.device) -> int:
@@ -269,8 +254,6 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     else:
         z = make(shape, dtype=torch.float32, device=xs.device)
     cb, mult, add = cb_args(codebook)
-    ks = [kernel_bits(b) for b in tier_bits] + [(1, 0)] * (MAX_TIERS - len(tier_bits))
-    nwl = [_mm.words_per_lane(b) for b in tier_bits] + [2] * (MAX_TIERS - len(tier_bits))
     grid = (nproj * n_blocks, max_blocks, splits)
     stride_x = (4 if frag == 2 else 8) * in_p if frag else in_p    # int32 per row block of 8 / 16 rows, or fp16 per row
     real = routes is not None
@@ -278,9 +261,7 @@ def tiered_partials(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor], bloc
     launch(_moe_mma_kernel, grid, xs, z, block_experts, descriptors, num_padded, routes_t, numel, *ws, *vs, slots,
            k_tiles, n_tiles, k_per, stride_x, 0 if atomic else z.stride(1), 1, n_blocks, stride_xp, z.stride(0),
            SHIFT=shift, ATOMIC=atomic,
-           NTIERS=len(tier_trellis),
-           K0A=ks[0][0], K0H=ks[0][1], N0=nwl[0], K1A=ks[1][0], K1H=ks[1][1], N1=nwl[1],
-           K2A=ks[2][0], K2H=ks[2][1], N2=nwl[2], K3A=ks[3][0], K3H=ks[3][1], N3=nwl[3],
+           TIERS=tier_spec(tier_bits),
            CB=cb, MULT=mult, ADD=add, NT=ntw // warps, WARPS=warps, BLOCK_M=block_m,
            ASM=use_asm(xs.device), NPROJ=nproj, XFRAG=bool(frag), MB=pass_row_blocks(block_m),
            REAL=real, HALVES=use_halves(xs.device, cb), num_warps=warps,

@@ -34,6 +34,8 @@ SETTINGS = {32: (2, True), 64: (3, True), 128: (4, True)}
 TARGET_PROGRAMS = 1024
 
 if HAVE_GLUON:
+    from .common import tier_count, tier_field
+    from .mma import LANE_PTX_KEY, lane_ptx_constraints, lane_ptx_text
     from .wgmma import chunk_words, run_chunks, warp_lanes, refill_x, gl, gluon, mbarrier
 
     _KC = gl.constexpr(KC)
@@ -56,16 +58,14 @@ if HAVE_GLUON:
     @gluon.jit(do_not_specialize=["slots", "k_per", "stride_zs", "stride_zp", "xrow_p", "one"])
     def _moe_wgmma_kernel(x_desc, z_ptr, blk_ptr, desc_ptr, npad_ptr, w0, w1, w2, w3, v0, v1, v2, v3,
                           slots, k_tiles, n_tiles, k_per, stride_zs, stride_zp, xrow_p, one, n_groups,
-                          SHIFT: gl.constexpr, NTIERS: gl.constexpr,
-                          K0A: gl.constexpr, K0H: gl.constexpr, N0: gl.constexpr, T0: gl.constexpr, C0: gl.constexpr,
-                          K1A: gl.constexpr, K1H: gl.constexpr, N1: gl.constexpr, T1: gl.constexpr, C1: gl.constexpr,
-                          K2A: gl.constexpr, K2H: gl.constexpr, N2: gl.constexpr, T2: gl.constexpr, C2: gl.constexpr,
-                          K3A: gl.constexpr, K3H: gl.constexpr, N3: gl.constexpr, T3: gl.constexpr, C3: gl.constexpr,
-                          BR: gl.constexpr, STAGES: gl.constexpr, NPROJ: gl.constexpr, PAIR: gl.constexpr):
+                          SHIFT: gl.constexpr, TIERS: gl.constexpr, CB: gl.constexpr, MULT: gl.constexpr,
+                          ADD: gl.constexpr, BR: gl.constexpr, STAGES: gl.constexpr, NPROJ: gl.constexpr,
+                          PAIR: gl.constexpr):
         """Program (column group, route block j, K split): ``z[slot, 64 columns] = x'[slot]·Q_e`` for the BR
         slots of block j (expert e = blk[j]); blocks past ``npad`` do nothing. NPROJ = 2: column groups from
         ``n_groups`` on run the second projection (tiers ``v*``, x' rows from ``xrow_p``, partials
-        ``z + stride_zp``). Tier t: K = ``KtA + KtH/2``, NWL ``Nt``, the lane decode's PTX ``Tt`` / ``Ct``."""
+        ``z + stride_zp``). ``TIERS`` (:func:`~exl3rt.kernels.common.tier_spec`): each tier's K and NWL; tier t's
+        stacked trellis is ``w<t>``, its lane decode the PTX of its K and the codebook (``CB``, ``MULT``, ``ADD``)."""
         pid_n = gl.program_id(0)
         j = gl.program_id(1)
         pid_k = gl.program_id(2)
@@ -79,6 +79,7 @@ if HAVE_GLUON:
                 w1 = v1
                 w2 = v2
                 w3 = v3
+        ws = (w0, w1, w2, w3)
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_WARPS, 1],
                                                      instr_shape=[16, BR, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -98,21 +99,16 @@ if HAVE_GLUON:
                 refill_x(x_desc, xs, bars, s, m0, a0 + s * _KC, s < nchunks)
             acc = gl.zeros([16 * _WARPS, BR], gl.float32, MMA)
             tile0 = pid_n * _WARPS
-            if tier == 0:
-                acc = _tier_chunks(acc, xs, bars, x_desc, w0, local, tile0, a0, k_tiles, n_tiles, nchunks, m0, one,
-                                   K0A, K0H, N0, T0, C0, DOT, STAGES, PAIR)
-            if NTIERS > 1:
-                if tier == 1:
-                    acc = _tier_chunks(acc, xs, bars, x_desc, w1, local, tile0, a0, k_tiles, n_tiles, nchunks, m0,
-                                       one, K1A, K1H, N1, T1, C1, DOT, STAGES, PAIR)
-            if NTIERS > 2:
-                if tier == 2:
-                    acc = _tier_chunks(acc, xs, bars, x_desc, w2, local, tile0, a0, k_tiles, n_tiles, nchunks, m0,
-                                       one, K2A, K2H, N2, T2, C2, DOT, STAGES, PAIR)
-            if NTIERS > 3:
-                if tier == 3:
-                    acc = _tier_chunks(acc, xs, bars, x_desc, w3, local, tile0, a0, k_tiles, n_tiles, nchunks, m0,
-                                       one, K3A, K3H, N3, T3, C3, DOT, STAGES, PAIR)
+            NTIERS: gl.constexpr = tier_count(TIERS)
+            for t in gl.static_range(NTIERS):
+                if tier == t:
+                    acc = _tier_chunks(acc, xs, bars, x_desc, ws[t], local, tile0, a0, k_tiles, n_tiles, nchunks, m0,
+                                       one, tier_field(TIERS, t, 0), tier_field(TIERS, t, 1), tier_field(TIERS, t, 2),
+                                       lane_ptx_text(tier_field(TIERS, t, 0), tier_field(TIERS, t, 1), CB, MULT, ADD,
+                                                     LANE_PTX_KEY),
+                                       lane_ptx_constraints(tier_field(TIERS, t, 0), tier_field(TIERS, t, 1), CB, MULT,
+                                                            ADD),
+                                       DOT, STAGES, PAIR)
             for s in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(s))
             nn = gl.arange(0, 16 * _WARPS, layout=gl.SliceLayout(1, MMA))
@@ -163,19 +159,14 @@ def tiered_partials_wgmma(xs: torch.Tensor, tier_trellis: Sequence[torch.Tensor]
 
 
 def kernel_constants(tier_bits: Sequence, codebook: str, block_m: int, nproj: int) -> dict:
-    """The compile-time arguments of ``_moe_wgmma_kernel`` but ``SHIFT``: per tier t of ``tier_bits`` its K
-    split into whole and half bits, NWL and the lane decode's PTX (tiers past the last: unused placeholders),
-    the tier count, the route block, its buffers and paired chunks (:data:`SETTINGS`) and the projections."""
-    from .lane_decode import lane_decode_ptx, lane_span_words
-    from .common import cb_args, kernel_bits
-    from .moe import MAX_TIERS
+    """The compile-time arguments of ``_moe_wgmma_kernel`` but ``SHIFT``: the tiers' K and NWL
+    (:func:`~exl3rt.kernels.common.tier_spec`), the codebook's constants, the route block, its buffers and paired
+    chunks (:data:`SETTINGS`) and the projections."""
+    from .common import cb_args, tier_spec
     stages, pair = SETTINGS[block_m]
-    out = dict(NTIERS=len(tier_bits), BR=block_m, STAGES=stages, NPROJ=nproj, PAIR=pair)
-    for t in range(MAX_TIERS):
-        ka, half = kernel_bits(tier_bits[t]) if t < len(tier_bits) else (1, 0)
-        text, cons, _ = lane_decode_ptx(ka, half, *cb_args(codebook)) if t < len(tier_bits) else ("", "", 0)
-        out.update({f"K{t}A": ka, f"K{t}H": half, f"N{t}": lane_span_words(ka, half), f"T{t}": text, f"C{t}": cons})
-    return out
+    cb, mult, add = cb_args(codebook)
+    return dict(TIERS=tier_spec(tier_bits), CB=cb, MULT=mult, ADD=add, BR=block_m, STAGES=stages, NPROJ=nproj,
+                PAIR=pair)
 
 
 __all__ = ["SETTINGS", "applies", "kernel_constants", "tiered_partials_wgmma"]
