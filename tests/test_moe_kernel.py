@@ -180,6 +180,17 @@ def test_prewarm_meets_every_specialization_of_real_calls(monkeypatch, top_k):
     assert not missing, f"{len(missing)} specializations met only by real calls, e.g. {sorted(missing)[0]}"
 
 
+def test_tier_spec_names_each_tier_k_and_words_per_lane():
+    """The ``TIERS`` string the tiered kernels read their tiers from: every K the kernels take, in order, reads back
+    as its whole bits, half bit and the lane decode's words per lane."""
+    from exl3rt.kernels.mma import words_per_lane
+    bits = [1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8]
+    spec = kc.tier_spec(bits)
+    assert kc.tier_count(spec) == len(bits)
+    for t, b in enumerate(bits):
+        assert [kc.tier_field(spec, t, i) for i in range(3)] == [int(b), int(b != int(b)), words_per_lane(b)], b
+
+
 def test_grouped_gemv_rejects_bad_stacks():
     g = torch.Generator().manual_seed(0)
     tr = torch.randint(-32768, 32768, (1, 8, 8, 32), dtype=torch.int16, generator=g).to(DEV)
