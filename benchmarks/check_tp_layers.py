@@ -105,7 +105,7 @@ def worker(rank: int, args, init: str, out_dir: str) -> None:
     scope = SimpleNamespace(layers=[])
     rows = []
     try:
-        experts = make_experts(SimpleNamespace(**{**vars(args)}), True)
+        experts = make_experts(args, True)
         mlp = make_experts(SimpleNamespace(**{**vars(args), "experts": 1, "seed": args.seed + 7}), False)[0]
         layers = {"moe": (moe_forward([slice_expert(e, args.tp, rank) for e in experts], dev, args, scope),
                           moe_forward(experts, dev, args, scope) if rank == 0 else None),

@@ -228,8 +228,7 @@ if HAVE_TRITON:
         return x0
 
     @triton.jit
-    def _fold(best, arg, k, v, prev, wt, NK: tl.constexpr,
-              WANT_ARG: tl.constexpr):
+    def _fold(best, arg, k, v, prev, wt, WANT_ARG: tl.constexpr):
         """Fold predecessor ``k`` (codebook values ``v``, previous costs ``prev``) into one
         tile's running min (and argmin; ties: strict ``<``, the smallest k wins)."""
         d = v - wt
@@ -243,8 +242,7 @@ if HAVE_TRITON:
         return best, arg
 
     @triton.jit
-    def _finish(best, arg, dst, bp_t, e, off, mn, STORE_BP: tl.constexpr, NK: tl.constexpr,
-                C16: tl.constexpr):
+    def _finish(best, arg, dst, bp_t, e, off, mn, STORE_BP: tl.constexpr, C16: tl.constexpr):
         """Store one tile's chunk of costs (C16: minus the step offset ``off``, as fp16; ``mn``:
         running minimum of the stored values) and backpointers."""
         if C16:
@@ -319,12 +317,12 @@ if HAVE_TRITON:
                 for k in tl.static_range(NK):
                     v = _cb_k(x0, k, cb_ptr, CB, E, KMULT, ASM)
                     pa = src + (k * EH + eh)
-                    ba, aa = _fold(ba, aa, k, v, tl.load(pa).to(tl.float32), wa, NK, STORE_BP)
+                    ba, aa = _fold(ba, aa, k, v, tl.load(pa).to(tl.float32), wa, STORE_BP)
                     if TPP >= 2:
-                        bb, ab = _fold(bb, ab, k, v, tl.load(pa + TS).to(tl.float32), wb, NK, STORE_BP)
+                        bb, ab = _fold(bb, ab, k, v, tl.load(pa + TS).to(tl.float32), wb, STORE_BP)
                     if TPP >= 4:
-                        bc, ac = _fold(bc, ac, k, v, tl.load(pa + 2 * TS).to(tl.float32), wc, NK, STORE_BP)
-                        bd, ad = _fold(bd, ad, k, v, tl.load(pa + 3 * TS).to(tl.float32), wd, NK, STORE_BP)
+                        bc, ac = _fold(bc, ac, k, v, tl.load(pa + 2 * TS).to(tl.float32), wc, STORE_BP)
+                        bd, ad = _fold(bd, ad, k, v, tl.load(pa + 3 * TS).to(tl.float32), wd, STORE_BP)
             else:
                 for k in range(0, NK):
                     if CB >= 3:
@@ -334,20 +332,18 @@ if HAVE_TRITON:
                         v = _cb_from_product(xk, CB, ASM)
                         xk = xk + KMULT
                     pa = src + (k * EH + eh)
-                    ba, aa = _fold(ba, aa, k, v, tl.load(pa).to(tl.float32), wa, NK, STORE_BP)
+                    ba, aa = _fold(ba, aa, k, v, tl.load(pa).to(tl.float32), wa, STORE_BP)
                     if TPP >= 2:
-                        bb, ab = _fold(bb, ab, k, v, tl.load(pa + TS).to(tl.float32), wb, NK, STORE_BP)
+                        bb, ab = _fold(bb, ab, k, v, tl.load(pa + TS).to(tl.float32), wb, STORE_BP)
                     if TPP >= 4:
-                        bc, ac = _fold(bc, ac, k, v, tl.load(pa + 2 * TS).to(tl.float32), wc, NK, STORE_BP)
-                        bd, ad = _fold(bd, ad, k, v, tl.load(pa + 3 * TS).to(tl.float32), wd, NK, STORE_BP)
-            ma = _finish(ba, aa, dst, bp_t, e, oa, ma, STORE_BP, NK, C16)
+                        bc, ac = _fold(bc, ac, k, v, tl.load(pa + 2 * TS).to(tl.float32), wc, STORE_BP)
+                        bd, ad = _fold(bd, ad, k, v, tl.load(pa + 3 * TS).to(tl.float32), wd, STORE_BP)
+            ma = _finish(ba, aa, dst, bp_t, e, oa, ma, STORE_BP, C16)
             if TPP >= 2:
-                mb = _finish(bb, ab, dst + TS, bp_t + BS, e, ob, mb, STORE_BP, NK, C16)
+                mb = _finish(bb, ab, dst + TS, bp_t + BS, e, ob, mb, STORE_BP, C16)
             if TPP >= 4:
-                mc = _finish(bc, ac, dst + 2 * TS, bp_t + 2 * BS, e, oc, mc, STORE_BP, NK,
-                             C16)
-                md = _finish(bd, ad, dst + 3 * TS, bp_t + 3 * BS, e, od, md, STORE_BP, NK,
-                             C16)
+                mc = _finish(bc, ac, dst + 2 * TS, bp_t + 2 * BS, e, oc, mc, STORE_BP, C16)
+                md = _finish(bd, ad, dst + 3 * TS, bp_t + 3 * BS, e, od, md, STORE_BP, C16)
         tl.debug_barrier()  # the next step reads costs written by other threads
         oa = _offset(ma, C16)
         if TPP >= 2:
@@ -365,8 +361,7 @@ if HAVE_TRITON:
         best, arg = _init(j)
         for k1 in tl.static_range(NK):
             v = _cb_k(x0j, k1, cb_ptr, CB, E, KMULT, ASM)
-            best, arg = _fold(best, arg, k1, v, tl.load(src + (k1 * EH + (j >> K))).to(tl.float32), wt, NK,
-                              WANT_ARG)
+            best, arg = _fold(best, arg, k1, v, tl.load(src + (k1 * EH + (j >> K))).to(tl.float32), wt, WANT_ARG)
         return best, arg
 
     @triton.jit
@@ -402,12 +397,12 @@ if HAVE_TRITON:
                     if STORE_BP:
                         tl.store(bp_t + BS + j, ib.to(tl.uint8))
                 v = _cb_k(x0, k2, cb_ptr, CB, E, KMULT, ASM)
-                ba, aa = _fold(ba, aa, k2, v, ma, w1a, NK, STORE_BP)
+                ba, aa = _fold(ba, aa, k2, v, ma, w1a, STORE_BP)
                 if TPP >= 2:
-                    bb, ab = _fold(bb, ab, k2, v, mb, w1b, NK, STORE_BP)
-            na = _finish(ba, aa, dst, bp_t + E, e, oa, na, STORE_BP, NK, C16)
+                    bb, ab = _fold(bb, ab, k2, v, mb, w1b, STORE_BP)
+            na = _finish(ba, aa, dst, bp_t + E, e, oa, na, STORE_BP, C16)
             if TPP >= 2:
-                nb = _finish(bb, ab, dst + TS, bp_t + BS + E, e, ob, nb, STORE_BP, NK, C16)
+                nb = _finish(bb, ab, dst + TS, bp_t + BS + E, e, ob, nb, STORE_BP, C16)
         tl.debug_barrier()  # the next step reads costs written by other threads
         oa = _offset(na, C16)
         if TPP >= 2:
