@@ -149,6 +149,27 @@ def test_exl3linear_dequant_cache_and_dtype_moves():
         m(torch.randn(2, 100))
 
 
+def test_exl3linear_kept_weight_forward_with_bias_leading_dims_and_any_cache_form():
+    enc = random_linear(136, 130, 3, seed=6)
+    bias = torch.randn(130)
+    m = Exl3Linear.from_encoded(enc, bias)
+    x = torch.randn(2, 3, 136)
+    ref = x.double() @ enc.reconstruct(dtype=torch.float64) + bias.double()
+    tol = dict(rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    for _ in range(2):      # the first call decodes and keeps W, the next multiplies by the kept W
+        y = m(x)
+        assert y.shape == (2, 3, 130)
+        torch.testing.assert_close(y.double(), ref, **tol)
+    m.dequantized_weight(torch.float32, trim=False)     # the cache now holds the padded [in_p, out_p] form
+    assert m._w_cache.shape == (m.in_padded, m.out_padded)
+    torch.testing.assert_close(m(x).double(), ref, **tol)
+    ybf = m(x.to(torch.bfloat16))                       # another dtype: not multiplied by the fp32 weight
+    assert ybf.dtype == torch.bfloat16 and m._w_cache.dtype == torch.bfloat16
+    assert float((ybf.double() - ref).norm() / ref.norm()) < 2e-2
+    with pytest.raises(ValueError, match="in_features=136"):
+        m(torch.randn(2, 135, dtype=torch.bfloat16))
+
+
 def test_exl3linear_placeholder_shapes():
     m = Exl3Linear(200, 72, 3.5, "mul1", bias=True, device="meta")
     assert m.trellis.shape == (16, 8, 56) and m.suh.shape == (256,) and m.svh.shape == (128,)

@@ -11,7 +11,9 @@ Buffers (persistent, so they load and move like weights)::
 
 Forward: one custom op, ``torch.ops.exl3rt.linear`` (:mod:`exl3rt.kernels.ops`), so torch.compile, CUDA
 graphs and vLLM see one opaque node per layer; then the bias. In plain eager mode the op's implementation is
-called directly (:func:`exl3rt.kernels.ops.call_linear`): the same computation without the dispatch's host time.
+called directly (:func:`exl3rt.kernels.ops.call_linear`): the same computation without the dispatch's host time;
+where the decoded weight is kept for the input's dtype and device (CPU), forward multiplies by it at once, as
+``nn.Linear`` would, without the op's layers of calls.
 
 - **CPU (reference path)**: ``W = format.reconstruct(...)`` trimmed to ``[in, out]``, cast to the
   activation dtype, then ``x @ W``. Trimming W equals zero-padding x to ``in_p`` and trimming y.
@@ -209,6 +211,13 @@ class Exl3Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features] -> [..., out_features]`` in ``x.dtype``: one ``torch.ops.exl3rt.linear`` call
         (:mod:`exl3rt.kernels.ops`; in plain eager mode its implementation directly), then the bias."""
+        w = self._w_cache
+        if w is not None and type(x) is torch.Tensor and x.dtype is w.dtype and x.device == w.device \
+                and x.shape[-1] == self.in_features and w.shape == (self.in_features, self.out_features) \
+                and not torch.compiler.is_compiling():
+            # the kept dense weight (CPU): what the op would multiply by, without its layers of calls
+            y = torch.matmul(x, w)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         self._check_input(x)
         if self._fused is not None:         # a member of a fused group (exl3rt.runtime.fusion)
             y = self._fused.output(self._fused_index, x)
