@@ -123,6 +123,8 @@ def dense_logits_rel_err(model, one: torch.Tensor) -> float:
     from exl3rt.runtime.surgery import replace_module
 
     got = model(one, use_cache=False).logits.float()
+    from exl3rt.runtime.fusion import unfuse_linears
+    unfuse_linears(model)
     for name, m in [(n, m) for n, m in model.named_modules() if isinstance(m, Exl3Linear)]:
         dense = torch.nn.Linear(m.in_features, m.out_features, bias=False, device=one.device, dtype=torch.bfloat16)
         dense.weight.data.copy_(m.dequantized_weight(torch.float32).t())

@@ -166,6 +166,21 @@ def test_gated_mlps_run_as_one_call_and_stay_apart_where_they_cannot(monkeypatch
     with torch.no_grad():
         torch.testing.assert_close(model(ids, use_cache=False).logits, want, rtol=1e-5, atol=1e-5)
     assert len(calls) == 1 and mlps[1].gate_proj._fused is None
+    # a layer replaced by its dense equivalent (plain nn.Linear): that MLP runs its own forward, still right
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        unfuse_linears(model)
+        fuse_linears(model, devices=("cpu",))
+        assert all(is_gated(m) for m in mlps)
+        old = getattr(mlps[0], name)
+        dense = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+        with torch.no_grad():
+            dense.weight.copy_(old.dequantized_weight(torch.float32).t())
+        setattr(mlps[0], name, dense)
+        calls.clear()
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids, use_cache=False).logits, want, rtol=1e-5, atol=1e-5)
+        assert len(calls) == 1, name       # the other layer's MLP only
+        setattr(mlps[0], name, old)
 
 
 def test_a_fused_model_compiles_fullgraph_with_one_fused_op_per_group(monkeypatch):

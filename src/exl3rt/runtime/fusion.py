@@ -206,10 +206,11 @@ def _gated_members(module: nn.Module) -> Optional[tuple]:
 
 def _gated_forward(self, x: torch.Tensor) -> torch.Tensor:
     """A fused gated MLP's forward: one ``exl3rt::gated_mlp`` call while gate/up stay fused, else the module's own."""
-    g, d = self.gate_proj, self.down_proj
-    grp = g._fused
-    if grp is None or grp is not self.up_proj._fused or type(d) is not Exl3Linear or d._fused is not None or \
-            (not torch.compiler.is_compiling() and not grp.intact()):
+    g, u, d = self.gate_proj, self.up_proj, self.down_proj
+    # any of the three replaced (by a plain nn.Linear, say) or the group ended: the module's own forward
+    grp = g._fused if type(g) is Exl3Linear else None
+    if grp is None or type(u) is not Exl3Linear or grp is not u._fused or type(d) is not Exl3Linear or \
+            d._fused is not None or (not torch.compiler.is_compiling() and not grp.intact()):
         return type(self).forward(self, x)
     g._check_input(x)
     return call_gated_mlp(x, grp.trellis, grp.suh, grp.svh, d.trellis, d.suh, d.svh, grp.codebook, d.codebook,
