@@ -180,6 +180,8 @@ def test_gated_mlps_run_as_one_call_and_stay_apart_where_they_cannot(monkeypatch
         with torch.no_grad():
             torch.testing.assert_close(model(ids, use_cache=False).logits, want, rtol=1e-5, atol=1e-5)
         assert len(calls) == 1, name       # the other layer's MLP only
+        # prewarm's shapes come from the MLPs whose layers are still EXL3 (the other layer's)
+        assert gated_shapes(model) == [((128, 256, 128, 4.0, "mcg", 4.0, "mcg"), old.trellis.device)]
         setattr(mlps[0], name, old)
 
 

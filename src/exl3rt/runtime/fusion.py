@@ -240,8 +240,8 @@ def gated_shapes(model: nn.Module) -> list[tuple]:
     them, and their device (``[(shape, device), ...]``, each distinct once)."""
     out = []
     for module in model.modules():
-        if is_gated(module):
-            g, d = module.gate_proj, module.down_proj
+        g, d = getattr(module, "gate_proj", None), getattr(module, "down_proj", None)
+        if is_gated(module) and type(g) is Exl3Linear and type(d) is Exl3Linear:
             item = ((g.in_padded, g.out_padded, d.out_padded, g.bits, g.codebook, d.bits, d.codebook),
                     d.trellis.device)
             if item not in out:
