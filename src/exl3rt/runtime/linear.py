@@ -212,9 +212,9 @@ class Exl3Linear(nn.Module):
         """``[..., in_features] -> [..., out_features]`` in ``x.dtype``: one ``torch.ops.exl3rt.linear`` call
         (:mod:`exl3rt.kernels.ops`; in plain eager mode its implementation directly), then the bias."""
         w = self._w_cache
-        if w is not None and type(x) is torch.Tensor and x.dtype is w.dtype and x.device == w.device \
-                and x.shape[-1] == self.in_features and w.shape == (self.in_features, self.out_features) \
-                and not torch.compiler.is_compiling():
+        if w is not None and self._fused is None and type(x) is torch.Tensor and x.dtype is w.dtype \
+                and x.device == w.device and x.shape[-1] == self.in_features \
+                and w.shape == (self.in_features, self.out_features) and not torch.compiler.is_compiling():
             # the kept dense weight (CPU): what the op would multiply by, without its layers of calls
             y = torch.matmul(x, w)
             return y if self.bias is None else y + self.bias.to(y.dtype)
