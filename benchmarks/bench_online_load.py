@@ -77,6 +77,7 @@ def main() -> None:
 
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
+    import exl3rt.integrations.transformers  # noqa: F401  (registers quant_method "exl3rt")
     from exl3rt.runtime.config import Exl3Config
 
     work = Path(tempfile.mkdtemp(prefix="exl3rt-bench-"))

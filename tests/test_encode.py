@@ -357,6 +357,7 @@ def test_from_pretrained_with_an_all_zero_linear(zero_llama, tmp_path):
 
     from transformers import AutoModelForCausalLM
 
+    import exl3rt.integrations.transformers  # noqa: F401  (registers quant_method "exl3rt")
     from exl3rt.runtime import Exl3Config, Exl3Linear
 
     src = tmp_path / "zeroed"

@@ -56,7 +56,7 @@ def test_from_pretrained_warm_cache_never_encodes(tmp_path_factory, cache_dir, m
     ref = load(src)
     quantize_model(ref, exl3rt.Exl3Config(bits=4, cache_dir=cache_dir), progress=False)  # hits or fills the cache
     forbid_encoding(monkeypatch)
-    # the plain runtime config works too: reading its quant_method registers the quantizer
+    # the plain runtime config works too (this module's import of the integration registered the quantizer)
     model = load(src, quantization_config=exl3rt.Exl3Config(bits=4, cache_dir=cache_dir))
     s = model.hf_quantizer.summary()
     assert s["hits"] == 7 and s["misses"] == 0 and s["cache"]["encodes"] == 0

@@ -13,12 +13,9 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "exl3rt"
 #: bottom to top; a unit may import only units listed before it (and itself)
 LAYERS = ("util", "data", "format", "env", "encode", "cache", "convert", "kernels", "moe", "evaluation", "runtime",
           "integrations", "models", "cli", "__init__")
-#: upward imports kept on purpose, each inside a function: (importer file, imported unit)
-ALLOWED_UP = {
-    # Exl3Config.quant_method registers the transformers quantizer when transformers is loaded, so that
-    # from_pretrained(quantization_config=Exl3Config(...)) works without importing the integration first
-    ("runtime/config.py", "integrations"),
-}
+#: upward imports kept on purpose, each inside a function: (importer file, imported unit). None: the transformers
+#: integration registers itself on import or by an explicit register() (runtime's Exl3Config only names it)
+ALLOWED_UP: set = set()
 
 
 def _unit(parts: tuple[str, ...]) -> str:
@@ -76,3 +73,43 @@ def test_no_module_imports_another_modules_underscore_names():
             continue
         bad += [f"{rel}: {'.'.join(target)}.{n}" for n in names if n.startswith("_") and not n.startswith("__")]
     assert not bad, "private names imported: " + "; ".join(bad)
+
+
+def unit_graph(pkg: Path = PKG) -> dict[str, set[str]]:
+    """unit -> the units it imports (type-checking imports aside), read from the source under ``pkg``."""
+    global PKG
+    saved, PKG = PKG, pkg
+    try:
+        graph: dict[str, set[str]] = {}
+        for rel, unit, _, _ in _imports():
+            src = _unit(Path(rel).parts)
+            if src != unit:
+                graph.setdefault(src, set()).add(unit)
+        return graph
+    finally:
+        PKG = saved
+
+
+def test_no_cycle_between_units():
+    graph = unit_graph()
+
+    def reach(a):
+        seen, todo = set(), [a]
+        while todo:
+            for b in graph.get(todo.pop(), ()):
+                if b not in seen:
+                    seen.add(b)
+                    todo.append(b)
+        return seen
+
+    cycles = sorted({tuple(sorted((a, b))) for a in graph for b in reach(a) if a != b and a in reach(b)})
+    assert not cycles, f"import cycles between units: {cycles}"
+
+
+if __name__ == "__main__":      # the graph docs/architecture.md shows: python tests/test_layers.py [src/exl3rt]
+    import sys
+
+    rank = {u: i for i, u in enumerate(LAYERS)}
+    g = unit_graph(Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else PKG)
+    for a in sorted(g, key=rank.get):
+        print(f"{a:<12} -> {', '.join(sorted(g[a], key=rank.get))}")

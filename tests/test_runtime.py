@@ -351,12 +351,38 @@ def test_quantize_model_qwen_moe(tmp_path_factory):
     assert float((got - dense).norm() / dense.norm()) < 0.1
 
 
-def test_exl3_is_registered_lazily_with_transformers():
-    """Reading quant_method while transformers is imported registers the quantizer (no explicit import)."""
-    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
-
-    assert exl3rt.Exl3Config().quant_method == "exl3rt"
-    assert "exl3rt" in AUTO_QUANTIZER_MAPPING
+def test_quant_method_registers_nothing_and_names_the_import_before_registration(tmp_path):
+    """Registration with transformers is the integration's import (or register()), never a side effect of reading
+    Exl3Config.quant_method; read too early it names that import. A fresh interpreter: other tests register."""
+    code = """
+import sys, exl3rt
+cfg = exl3rt.Exl3Config(bits=4)
+assert cfg.quant_method == "exl3rt"                        # transformers not loaded: just the name
+assert "transformers" not in sys.modules
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+try:
+    cfg.quant_method
+except exl3rt.Exl3ConfigError as e:
+    assert "import exl3rt.integrations.transformers" in str(e), e
+else:
+    raise AssertionError("quant_method read before registration did not fail")
+assert "exl3rt" not in AUTO_QUANTIZER_MAPPING and "exl3rt.integrations.transformers" not in sys.modules
+src = sys.argv[1]                                         # what a user who forgot the import sees
+AutoModelForCausalLM.from_config(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                             num_attention_heads=2, vocab_size=64)).save_pretrained(src)
+try:
+    AutoModelForCausalLM.from_pretrained(src, quantization_config=cfg)
+except exl3rt.Exl3ConfigError as e:
+    assert "import exl3rt.integrations.transformers" in str(e), e
+else:
+    raise AssertionError("from_pretrained before registration did not fail")
+import exl3rt.integrations.transformers as hf
+assert AUTO_QUANTIZER_MAPPING["exl3rt"] is hf.Exl3HfQuantizer and cfg.quant_method == "exl3rt"
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "tiny")], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
 def test_linear_target_weights():

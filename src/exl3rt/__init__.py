@@ -5,6 +5,7 @@ __version__ = "0.1.0"
 # Lazy exports: `import exl3rt` stays light (no torch modules built, no transformers imported).
 _LAZY = {
     "Exl3Config": "exl3rt.runtime.config",
+    "Exl3ConfigError": "exl3rt.runtime.config",
     "Exl3Linear": "exl3rt.runtime.linear",
     "quantize_model": "exl3rt.runtime.quantize_model",
     "Exl3MoE": "exl3rt.runtime.moe_module",

@@ -154,6 +154,7 @@ def f32_llama(tmp_path_factory) -> Path:
 
 def test_openai_server_online_matches_transformers(f32_llama, tmp_path):
     import exl3rt
+    import exl3rt.integrations.transformers  # noqa: F401  (registers quant_method "exl3rt")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cache = tmp_path / "cache"

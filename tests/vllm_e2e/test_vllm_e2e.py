@@ -42,6 +42,8 @@ def _hf_tokens(model: Path, config, dtype=None) -> tuple[list[list[int]], dict]:
     """Greedy tokens of exl3rt's transformers path (``from_pretrained(..., quantization_config=config)``)."""
     from transformers import AutoModelForCausalLM
 
+    import exl3rt.integrations.transformers  # noqa: F401  (registers quant_method "exl3rt")
+
     m = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype or torch.bfloat16, quantization_config=config)
     out = []
     for p in PROMPTS:

@@ -8,9 +8,9 @@ transformers 5.24 ships no EXL3
 method of its own, so the name is free. Two config objects are accepted by ``from_pretrained``:
 
 - :class:`Exl3Config` from this module (a ``QuantizationConfigMixin`` with the runtime fields);
-- ``exl3rt.Exl3Config`` (the plain runtime dataclass). Its ``quant_method`` property registers this
-  module when transformers reads it, and :class:`Exl3HfQuantizer` wraps it into the class above,
-  so ``import exl3rt`` never imports transformers.
+- ``exl3rt.Exl3Config`` (the plain runtime dataclass), which :class:`Exl3HfQuantizer` wraps into the class
+  above. Registration is this module's import or :func:`register`, never a side effect of ``import exl3rt``
+  (which does not import transformers); before it, that config's ``quant_method`` raises an error naming the import.
 
 How the weights flow (each linear is encoded as its weight loads; the dense model never exists in full):
 

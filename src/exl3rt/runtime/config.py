@@ -1,7 +1,8 @@
 """Exl3Config: what online quantization does to a model (bits, codebook, overrides, cache, devices).
 
 One dataclass, validated on construction, shared by :func:`exl3rt.quantize_model` and the
-transformers integration (``from_pretrained(..., quantization_config=Exl3Config(bits=4))``).
+transformers integration (``import exl3rt.integrations.transformers``, then ``from_pretrained(...,
+quantization_config=Exl3Config(bits=4))``).
 Errors name the field, the bad value and the fix.
 
 Module-name patterns (``bits_for`` keys and ``ignore`` entries) are shell-style (:mod:`fnmatch`,
@@ -259,18 +260,19 @@ class Exl3Config:
             raise Exl3ConfigError(f"Exl3Config.from_dict: unknown field(s) {unknown}; valid fields: {valid}")
         return cls(**data)
 
-    # ---- transformers hook ---------------------------------------------------------------------------
+    # ---- transformers ----------------------------------------------------------------------------------
     @property
     def quant_method(self) -> str:
-        """``"exl3rt"``. Reading it while transformers is imported registers exl3rt's quantizer there.
-
-        This lets the plain runtime config be passed straight to ``from_pretrained`` (transformers reads
-        ``quant_method`` to pick the quantizer) without ``import exl3rt`` ever importing transformers.
-        """
-        if "transformers" in sys.modules:
-            from ..integrations.transformers import register
-
-            register()
+        """``"exl3rt"``: the name transformers picks exl3rt's quantizer by. transformers knows it once
+        ``exl3rt.integrations.transformers`` is imported (or its ``register()`` called); read while transformers is
+        loaded but before that, this raises :class:`Exl3ConfigError` naming the import, instead of transformers'
+        "Unknown quantization type". Reading it registers nothing: ``import exl3rt`` never imports transformers."""
+        auto = sys.modules.get("transformers.quantizers.auto")
+        known = getattr(auto, "AUTO_QUANTIZER_MAPPING", None)
+        if known is not None and QUANT_METHOD not in known:
+            raise Exl3ConfigError(
+                f"transformers does not know quant_method {QUANT_METHOD!r} yet: `import exl3rt.integrations.transformers` "
+                f"(it registers exl3rt's quantizer) before from_pretrained(..., quantization_config=Exl3Config(...))")
         return QUANT_METHOD
 
 
