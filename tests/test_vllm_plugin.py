@@ -510,6 +510,48 @@ def test_head_apply_pads_the_partition_with_zero_logits():
     assert torch.equal(exl3_head_apply(empty, x, 64), torch.zeros(3, 64))  # a rank past the vocab: all padding
 
 
+def test_dense_weight_is_the_layers_product_in_vllms_layout():
+    """``dense_weight`` (what the CPU serves through vLLM's own GEMM): for q/k/v-like shards with rank windows (input
+    columns and output rows inside covered 128-blocks) ``x · denseᵀ`` equals ``exl3_apply`` and the float64
+    reconstruction; a head's padded rows are zero; each linear's kept copy is dropped; no dense weight where a
+    linear keeps none (its forward decodes per call, or runs the CUDA kernels)."""
+    from torch import nn
+
+    from exl3rt.format.encoded import EncodedLinear
+    from exl3rt.integrations.vllm.forward import dense_weight, exl3_apply
+    from exl3rt.runtime.linear import Exl3Linear
+
+    shapes = [(256, 256), (256, 128), (256, 384)]
+    windows = [((0, 256), (32, 200)), ((16, 100), (32, 200)), ((128, 200), (32, 200))]   # (out lead, n), (in lead, n)
+    mods, want = [], []
+    for j, ((i, o), ((ol, on), (il, inn))) in enumerate(zip(shapes, windows)):
+        trellis, suh, svh = _random_codes(i, o, k=4, seed=10 + j)
+        enc = EncodedLinear(trellis=trellis, suh=suh, svh=svh, codebook="mcg", in_features=i, out_features=o,
+                            name=f"l{j}")
+        mods.append(Exl3Linear.from_encoded(enc, name=f"l{j}"))
+        want.append(enc.reconstruct(dtype=torch.float64)[il: il + inn, ol: ol + on])
+    layer = nn.Module()
+    layer.exl3 = nn.ModuleList(mods)
+    layer.exl3_windows = windows
+    x = torch.randn(5, 200, dtype=torch.float64)
+    ref = x @ torch.cat(want, dim=1)
+    y = exl3_apply(layer, x.float())
+    dense = dense_weight(layer, torch.float32)
+    assert dense.shape == (256 + 100 + 200, 200) and dense.is_contiguous()
+    assert all(m._w_cache is None for m in mods)
+    got = torch.nn.functional.linear(x.float(), dense)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(got, y, rtol=1e-5, atol=1e-4)
+    padded = dense_weight(layer, torch.float32, rows=600)
+    assert padded.shape == (600, 200) and torch.equal(padded[:556], dense) and not padded[556:].any()
+    for m in mods:
+        m.dequant_cache = False               # decodes per call: nothing kept to serve densely
+    assert dense_weight(layer, torch.float32) is None
+    empty = nn.Module()
+    empty.exl3 = nn.ModuleList()
+    assert dense_weight(empty, torch.float32) is None
+
+
 def test_head_is_exl3_from_files_or_quantization_config():
     from exl3rt.integrations.vllm.settings import head_is_exl3
 

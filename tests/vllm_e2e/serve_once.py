@@ -54,7 +54,9 @@ def _inspect(model):
                 cfg = mod.quant_method.quant_config
                 linears[name] += ":" + ",".join(f"{m.name}@K{m.bits}" for m in mod.exl3)
     summary = cfg.summary() if isinstance(cfg, Exl3VllmConfig) else {}
-    return {"linears": linears, "experts": experts, "heads": heads, "ours": ours, "summary": summary}
+    # layers served through vLLM's own CPU GEMM over their decoded product (integrations/vllm/dense.py)
+    dense = sorted(name for name, mod in model.named_modules() if getattr(mod, "exl3_dense", False))
+    return {"linears": linears, "experts": experts, "heads": heads, "ours": ours, "summary": summary, "dense": dense}
 
 
 def main() -> None:

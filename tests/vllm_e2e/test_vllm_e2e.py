@@ -115,8 +115,10 @@ def test_online_exl3_under_vllm_torch_compile(bf16_llama, tmp_path):
     cache = tmp_path / "cache"
     got = _serve(bf16_llama, cache, tmp_path / "c.json", "--bits", str(BITS), "--dtype", "float32", "--compile")
     assert got["linears"] and all(v.startswith("Exl3OnlineLinearMethod:") for v in got["linears"].values())
-    # the weights were decoded at load (process_weights_after_loading), none in the compiled graph
+    # the weights were decoded at load (process_weights_after_loading), none in the compiled graph, and every
+    # layer runs vLLM's own CPU GEMM over its decoded product
     assert got["decodes_while_generating"] == 0
+    assert got["dense"] == sorted(got["linears"])
     cfg = exl3rt.Exl3Config(bits=BITS, cache_dir=str(cache), progress=False)
     hf_tokens, summary = _hf_tokens(bf16_llama, cfg, dtype=torch.float32)
     assert summary["misses"] == 0 and summary["hits"] == 14
@@ -190,6 +192,7 @@ def test_prequantized_checkpoint_with_quantized_head(vocab, tmp_path, monkeypatc
     assert len(got["linears"]) == 8
     assert all(v.startswith("Exl3CheckpointLinearMethod:") for v in got["linears"].values()), got["linears"]
     assert got["summary"]["layers"]["lm_head"] == "checkpoint" and len(got["summary"]["layers"]) == 9
+    assert got["dense"] == sorted([*got["linears"], "lm_head"])   # vLLM's CPU GEMM over the decoded products
 
     # truth: exl3rt's transformers path (head quantized, tied head untied) with every matrix's codes from the checkpoint
     _use_stored_codes(ckpt, monkeypatch)

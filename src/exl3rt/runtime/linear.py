@@ -129,6 +129,12 @@ class Exl3Linear(nn.Module):
     def _cache_enabled(self, device: torch.device) -> bool:
         return device.type == "cpu" if self.dequant_cache is None else bool(self.dequant_cache)
 
+    def multiplies_kept_weight(self) -> bool:
+        """True where the forward multiplies by the kept decoded weight: off CUDA with the dequantized-weight cache
+        on (the CPU's default); CUDA runs the kernels."""
+        dev = self.trellis.device
+        return dev.type != "cuda" and self._cache_enabled(dev)
+
     def clear_dequant_cache(self) -> None:
         """Drop the kept dequantized weight (the next forward decodes again)."""
         self._w_cache = None

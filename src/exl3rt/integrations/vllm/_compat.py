@@ -31,3 +31,8 @@ from vllm.model_executor.models.utils import WeightsMapper  # noqa: F401
 from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing  # noqa: F401
 from vllm.model_executor.parameter import ModelWeightParameter  # noqa: F401
 from vllm.model_executor.utils import set_weight_attrs  # noqa: F401
+
+try:    # vLLM's CPU GEMM for its own unquantized linears (prepacked oneDNN / sgl-kernel weights)
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # noqa: F401
+except ImportError:  # pragma: no cover - a vLLM without it: the plain F.linear
+    dispatch_cpu_unquantized_gemm = None

@@ -25,6 +25,7 @@ from ...format.encoded import EncodedLinear
 from ...format.errors import FormatError
 from ...runtime.linear import Exl3Linear
 from ._compat import LinearMethodBase, set_weight_attrs
+from .dense import dense_apply, use_dense_gemm
 from .forward import exl3_apply, exl3_head_apply, warm_layer_kernels
 from .layout import plan_shards
 from .shards import block_cover, check_block_aligned, head_shard
@@ -113,12 +114,16 @@ class Exl3CheckpointLinearMethod(LinearMethodBase):
             delattr(layer, part)
         del layer.exl3_parts
         # compile every kernel specialization now: vLLM's profile run and CUDA-graph capture follow
-        warm_layer_kernels(layer, getattr(layer, "exl3_act_dtype", torch.get_default_dtype()),
-                           self.quant_config.linear_warmed)
+        dtype = getattr(layer, "exl3_act_dtype", torch.get_default_dtype())
+        warm_layer_kernels(layer, dtype, self.quant_config.linear_warmed)
+        # CPU: the decoded product through vLLM's own GEMM (a head's padded vocab rows as zero rows: logit 0)
+        use_dense_gemm(layer, dtype, getattr(layer, "exl3_width", None))
         layer._already_called_process_weights_after_loading = True
         self.quant_config.note_layer(self.prefix, "checkpoint")
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if getattr(layer, "exl3_dense", False):
+            return dense_apply(layer, x, bias)
         return exl3_apply(layer, x, bias)
 
 
@@ -152,6 +157,8 @@ class Exl3CheckpointHeadMethod(Exl3CheckpointLinearMethod):
         return layer
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if getattr(layer, "exl3_dense", False):
+            return dense_apply(layer, x, bias)
         return exl3_head_apply(layer, x, layer.exl3_width, bias)
 
 

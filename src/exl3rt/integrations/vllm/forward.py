@@ -39,6 +39,31 @@ def exl3_apply(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] =
     return y
 
 
+def dense_weight(layer: nn.Module, dtype: torch.dtype, rows: Optional[int] = None) -> Optional[torch.Tensor]:
+    """The layer's product as one dense matrix in vLLM's layout, ``[sum of its outputs, in]`` in ``dtype``: each EXL3
+    linear's decoded weight (its rank window, as :func:`exl3_apply` takes it), concatenated; ``rows``: zero rows
+    appended up to that many (a head's padded vocab rows, logit 0). Where the forward multiplies by kept decoded
+    weights (the CPU), one GEMM over this gives what :func:`exl3_apply` computes with one product per linear and a
+    concatenation. Each linear's own kept copy is dropped. None where a linear runs the CUDA kernels, keeps no
+    decoded weight, or the layer has none."""
+    mods = getattr(layer, "exl3", None)
+    if not mods or not all(m.multiplies_kept_weight() for m in mods):
+        return None
+    windows = getattr(layer, "exl3_windows", None)
+    parts = []
+    for j, m in enumerate(mods):
+        w = m.dequantized_weight(dtype)                       # [in, out]
+        if windows is not None:
+            (o_lead, o_n), (i_lead, i_n) = windows[j]
+            w = w[i_lead: i_lead + i_n, o_lead: o_lead + o_n]
+        parts.append(w.t())
+        m.clear_dequant_cache()
+    dense = torch.cat(parts, dim=0)
+    if rows is not None and rows > dense.shape[0]:
+        dense = torch.nn.functional.pad(dense, (0, 0, 0, int(rows) - dense.shape[0]))
+    return dense.contiguous()
+
+
 def warm_layer_kernels(layer: nn.Module, dtype: torch.dtype, done: set) -> int:
     """Get ``layer``'s EXL3 linears ready for activations of ``dtype`` (:meth:`Exl3Linear.prepare`): on CUDA
     compile the kernels (each distinct :meth:`~Exl3Linear.kernel_key` once per ``done``), so that vLLM's profile
@@ -70,4 +95,4 @@ def exl3_head_apply(layer: nn.Module, x: torch.Tensor, width: int,
     return y
 
 
-__all__ = ["exl3_apply", "exl3_head_apply", "warm_layer_kernels"]
+__all__ = ["dense_weight", "exl3_apply", "exl3_head_apply", "warm_layer_kernels"]

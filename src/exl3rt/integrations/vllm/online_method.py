@@ -20,6 +20,7 @@ from ...format.bits import Bits
 from ...runtime.linear import Exl3Linear
 from ._compat import LinearMethodBase, ModelWeightParameter, initialize_online_processing
 from .layout import plan_shards
+from .dense import dense_apply, use_dense_gemm
 from .forward import exl3_apply, warm_layer_kernels
 
 if TYPE_CHECKING:
@@ -70,10 +71,13 @@ class Exl3OnlineLinearMethod(LinearMethodBase):
         # compile every kernel specialization now: vLLM's profile run and CUDA-graph capture follow
         warm_layer_kernels(layer, w.dtype, self.quant_config.linear_warmed)
         layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
+        use_dense_gemm(layer, w.dtype)           # CPU: the decoded product through vLLM's own GEMM
         layer._already_called_process_weights_after_loading = True
         self.quant_config.note_layer(self.prefix, "online")
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if getattr(layer, "exl3_dense", False):
+            return dense_apply(layer, x, bias)
         return exl3_apply(layer, x, bias)
 
 
