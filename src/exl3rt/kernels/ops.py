@@ -34,12 +34,12 @@ from ..format.reconstruct import reconstruct
 def linear_impl(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
                 weight: Optional[torch.Tensor], codebook: str, out_features: int) -> torch.Tensor:
     """What ``exl3rt::linear`` computes (its implementation)."""
-    if weight is not None:
-        return torch.matmul(x, weight)
-    if x.is_cuda:
-        return padded_linear(x, trellis, suh, svh, codebook, out_features)
-    w = reconstruct(trellis, suh, svh, codebook)[:x.shape[-1], :out_features].to(x.dtype)
-    return torch.matmul(x, w)
+    if weight is None:
+        if x.is_cuda:
+            return padded_linear(x, trellis, suh, svh, codebook, out_features)
+        # decoded for this call, laid out as the kept weight is (Exl3Linear.dequantized_weight): the same product
+        weight = reconstruct(trellis, suh, svh, codebook)[:x.shape[-1], :out_features].t().to(x.dtype).contiguous().t()
+    return torch.nn.functional.linear(x, weight.t())       # the GEMM nn.Linear runs on its [out, in] weight
 
 
 @torch.library.custom_op("exl3rt::linear", mutates_args=())

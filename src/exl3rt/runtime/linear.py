@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..format.bits import Bits, bits_from_trellis, normalize_bits, words16_per_tile
 from ..format.codebooks import check_codebook
@@ -157,7 +158,9 @@ class Exl3Linear(nn.Module):
         return out
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32, *, trim: bool = True) -> torch.Tensor:
-        """W ``[in, out]`` (``[in_p, out_p]`` if not ``trim``) in ``dtype`` on the codes' device.
+        """W ``[in, out]`` (``[in_p, out_p]`` if not ``trim``) in ``dtype`` on the codes' device, stored as
+        ``nn.Linear`` stores its weight (``[out, in]`` contiguous; this is its transposed view), so that a product
+        with it runs the GEMM an unquantized linear runs.
 
         Uses and fills the dequantized-weight cache when it is enabled for this device; the cache holds
         the trimmed or untrimmed form the last caller asked for.
@@ -170,7 +173,7 @@ class Exl3Linear(nn.Module):
         w = reconstruct(self.trellis.contiguous(), self.suh, self.svh, self.codebook)
         if trim:
             w = w[: self.in_features, : self.out_features]
-        w = w.to(dtype).contiguous()
+        w = w.t().to(dtype).contiguous().t()
         if self._cache_enabled(self.trellis.device):
             self._w_cache = w
         return w
@@ -221,9 +224,9 @@ class Exl3Linear(nn.Module):
         if w is not None and self._fused is None and type(x) is torch.Tensor and x.dtype is w.dtype \
                 and x.device == w.device and x.shape[-1] == self.in_features \
                 and w.shape == (self.in_features, self.out_features) and not torch.compiler.is_compiling():
-            # the kept dense weight (CPU): what the op would multiply by, without its layers of calls
-            y = torch.matmul(x, w)
-            return y if self.bias is None else y + self.bias.to(y.dtype)
+            # the kept dense weight (CPU): what the op would multiply by, without its layers of calls; as nn.Linear
+            # calls it (w is the [in, out] view of an [out, in] buffer)
+            return F.linear(x, w.t(), None if self.bias is None else self.bias.to(x.dtype))
         self._check_input(x)
         if self._fused is not None:         # a member of a fused group (exl3rt.runtime.fusion)
             y = self._fused.output(self._fused_index, x)
