@@ -95,6 +95,16 @@ class Exl3MoEMethodBase(FusedMoEMethodBase):
                              cache=cfg.moe_cache(), owner=cfg.moe_owner(self.prefix),
                              moe_runtime=cfg.moe_runtime, warmed=cfg.moe_warmed)
         runner.attach_to(layer)
+        # plan (and warm) now, outside any traced code: vLLM compiles the model around apply(), and a plan made
+        # on the first call would be traced into the graph
+        dev = next((m.trellis.device for ex in linears for m in ex.values()), None)
+        if dev is not None:
+            dtype = getattr(layer, "exl3_act_dtype", torch.get_default_dtype())
+            runner.plan(dev, dtype)
+            if dev.type != "cuda":      # the reference launch multiplies by kept decoded weights: decode them now
+                for ex in linears:
+                    for m in ex.values():
+                        m.prepare(dtype)
         layer.exl3_moe = runner
         layer._already_called_process_weights_after_loading = True
         cfg.note_layer(self.prefix, self.how)
@@ -126,6 +136,7 @@ class Exl3OnlineMoEMethod(Exl3MoEMethodBase):
                        intermediate_size_per_partition: int, params_dtype: torch.dtype,
                        **extra_weight_attrs: Any) -> None:
         layer.exl3_slice = self._slice(hidden_size, intermediate_size_per_partition, require_blocks=False)
+        layer.exl3_act_dtype = params_dtype
         attrs = {"weight_loader": extra_weight_attrs["weight_loader"]} if "weight_loader" in extra_weight_attrs else {}
         shards = len(self.projs) - 1
         w13 = nn.Parameter(torch.empty(num_experts, shards * intermediate_size_per_partition, hidden_size,
@@ -196,6 +207,7 @@ class Exl3CheckpointMoEMethod(Exl3MoEMethodBase):
                        **extra_weight_attrs: Any) -> None:
         sl = self._slice(hidden_size, intermediate_size_per_partition, require_blocks=True)
         layer.exl3_slice = sl
+        layer.exl3_act_dtype = params_dtype
         layer.exl3_stored = StoredExperts(self.prefix, num_experts, self.projs, sl)
         shard_projs = SHARD_PROJS[len(self.projs) == 3]
         for group in ("w13", "w2"):
