@@ -22,10 +22,10 @@ def _unit(parts: tuple[str, ...]) -> str:
     return parts[0].removesuffix(".py") if parts else "__init__"
 
 
-def _imports():
+def _imports(pkg: Path = PKG):
     """(file relative to the package, imported unit, imported names) for every import of exl3rt code."""
-    for f in sorted(PKG.rglob("*.py")):
-        rel = f.relative_to(PKG)
+    for f in sorted(pkg.rglob("*.py")):
+        rel = f.relative_to(pkg)
         here = list(rel.with_suffix("").parts)
         tree = ast.parse(f.read_text())
         typing_only = {id(n) for node in ast.walk(tree)
@@ -41,7 +41,7 @@ def _imports():
                     for a in node.names:
                         if a.name == "__version__":
                             continue
-                        path = PKG.joinpath(*target, a.name)
+                        path = pkg.joinpath(*target, a.name)
                         if path.with_suffix(".py").exists() or path.is_dir():
                             yield str(rel), _unit(tuple(target + [a.name])), [], target + [a.name]
                         else:
@@ -77,17 +77,12 @@ def test_no_module_imports_another_modules_underscore_names():
 
 def unit_graph(pkg: Path = PKG) -> dict[str, set[str]]:
     """unit -> the units it imports (type-checking imports aside), read from the source under ``pkg``."""
-    global PKG
-    saved, PKG = PKG, pkg
-    try:
-        graph: dict[str, set[str]] = {}
-        for rel, unit, _, _ in _imports():
-            src = _unit(Path(rel).parts)
-            if src != unit:
-                graph.setdefault(src, set()).add(unit)
-        return graph
-    finally:
-        PKG = saved
+    graph: dict[str, set[str]] = {}
+    for rel, unit, _, _ in _imports(pkg):
+        src = _unit(Path(rel).parts)
+        if src != unit:
+            graph.setdefault(src, set()).add(unit)
+    return graph
 
 
 def test_no_cycle_between_units():

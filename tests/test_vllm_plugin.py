@@ -518,7 +518,7 @@ def test_dense_weight_is_the_layers_product_in_vllms_layout():
     from torch import nn
 
     from exl3rt.format.encoded import EncodedLinear
-    from exl3rt.integrations.vllm.forward import dense_weight, exl3_apply
+    from exl3rt.integrations.vllm.forward import dense_weight, exl3_apply, exl3_head_apply
     from exl3rt.runtime.linear import Exl3Linear
 
     shapes = [(256, 256), (256, 128), (256, 384)]
@@ -544,6 +544,17 @@ def test_dense_weight_is_the_layers_product_in_vllms_layout():
     torch.testing.assert_close(got, y, rtol=1e-5, atol=1e-4)
     padded = dense_weight(layer, torch.float32, rows=600)
     assert padded.shape == (600, 200) and torch.equal(padded[:556], dense) and not padded[556:].any()
+    # a layer serving it (as use_dense_gemm leaves one, here with F.linear for vLLM's GEMM): the shared forwards run
+    # the one GEMM, the bias added once, and a head's padded rows give logit 0
+    head = nn.Module()
+    head.exl3 = layer.exl3
+    head.weight, head.cpu_linear, head.exl3_dense = padded, torch.nn.functional.linear, True
+    bias = torch.arange(600, dtype=torch.float32)
+    got = exl3_head_apply(head, x.float(), 600, bias)
+    torch.testing.assert_close(got[:, :556].double(), ref + bias[:556].double(), rtol=1e-4, atol=1e-3)
+    assert torch.equal(got[:, 556:], bias[556:].expand(5, -1))
+    torch.testing.assert_close(exl3_apply(head, x.float()).double(), torch.nn.functional.pad(ref, (0, 44)),
+                               rtol=1e-4, atol=1e-3)
     for m in mods:
         m.dequant_cache = False               # decodes per call: nothing kept to serve densely
     assert dense_weight(layer, torch.float32) is None

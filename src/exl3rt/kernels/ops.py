@@ -31,6 +31,13 @@ import torch
 from ..format.reconstruct import reconstruct
 
 
+def linear_weight(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A decoded ``W [in, out]`` in ``dtype``, stored as ``nn.Linear`` stores its weight (``[out, in]`` contiguous;
+    the result is its ``[in, out]`` view): the layout :func:`linear_impl` multiplies through ``F.linear``, so a
+    product with it runs the GEMM (and gives the bits) of an unquantized linear."""
+    return w.t().to(dtype).contiguous().t()
+
+
 def linear_impl(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
                 weight: Optional[torch.Tensor], codebook: str, out_features: int) -> torch.Tensor:
     """What ``exl3rt::linear`` computes (its implementation)."""
@@ -38,7 +45,7 @@ def linear_impl(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: 
         if x.is_cuda:
             return padded_linear(x, trellis, suh, svh, codebook, out_features)
         # decoded for this call, laid out as the kept weight is (Exl3Linear.dequantized_weight): the same product
-        weight = reconstruct(trellis, suh, svh, codebook)[:x.shape[-1], :out_features].t().to(x.dtype).contiguous().t()
+        weight = linear_weight(reconstruct(trellis, suh, svh, codebook)[:x.shape[-1], :out_features], x.dtype)
     return torch.nn.functional.linear(x, weight.t())       # the GEMM nn.Linear runs on its [out, in] weight
 
 
@@ -181,5 +188,5 @@ def _kernel():
     return _KERNEL[0]
 
 
-__all__ = ["linear", "linear_impl", "call_linear", "padded_linear", "fused_linear", "fused_linear_impl",
+__all__ = ["linear", "linear_impl", "linear_weight", "call_linear", "padded_linear", "fused_linear", "fused_linear_impl",
            "call_fused_linear", "gated_mlp", "gated_mlp_impl", "call_gated_mlp"]

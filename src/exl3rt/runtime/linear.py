@@ -42,7 +42,7 @@ from ..format.bits import Bits, bits_from_trellis, normalize_bits, words16_per_t
 from ..format.codebooks import check_codebook
 from ..format.encoded import EncodedLinear, padded_width
 from ..format.reconstruct import reconstruct
-from ..kernels.ops import call_linear  # (importing registers torch.ops.exl3rt.*)
+from ..kernels.ops import call_linear, linear_weight  # (importing registers torch.ops.exl3rt.*)
 
 log = logging.getLogger("exl3rt.runtime")
 
@@ -173,7 +173,7 @@ class Exl3Linear(nn.Module):
         w = reconstruct(self.trellis.contiguous(), self.suh, self.svh, self.codebook)
         if trim:
             w = w[: self.in_features, : self.out_features]
-        w = w.t().to(dtype).contiguous().t()
+        w = linear_weight(w, dtype)
         if self._cache_enabled(self.trellis.device):
             self._w_cache = w
         return w

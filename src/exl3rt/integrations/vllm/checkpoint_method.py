@@ -25,7 +25,7 @@ from ...format.encoded import EncodedLinear
 from ...format.errors import FormatError
 from ...runtime.linear import Exl3Linear
 from ._compat import LinearMethodBase, set_weight_attrs
-from .dense import dense_apply, use_dense_gemm
+from .dense import use_dense_gemm
 from .forward import exl3_apply, exl3_head_apply, warm_layer_kernels
 from .layout import plan_shards
 from .shards import block_cover, check_block_aligned, head_shard
@@ -122,8 +122,6 @@ class Exl3CheckpointLinearMethod(LinearMethodBase):
         self.quant_config.note_layer(self.prefix, "checkpoint")
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if getattr(layer, "exl3_dense", False):
-            return dense_apply(layer, x, bias)
         return exl3_apply(layer, x, bias)
 
 
@@ -157,8 +155,6 @@ class Exl3CheckpointHeadMethod(Exl3CheckpointLinearMethod):
         return layer
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if getattr(layer, "exl3_dense", False):
-            return dense_apply(layer, x, bias)
         return exl3_head_apply(layer, x, layer.exl3_width, bias)
 
 

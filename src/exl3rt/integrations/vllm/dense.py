@@ -22,7 +22,8 @@ from .forward import dense_weight
 
 def use_dense_gemm(layer: nn.Module, dtype: torch.dtype, rows: Optional[int] = None) -> bool:
     """Where ``layer``'s EXL3 linears multiply by kept decoded weights (the CPU), serve their product through
-    vLLM's CPU GEMM as one dense ``[outputs (or rows), in]`` weight; returns whether it did."""
+    vLLM's CPU GEMM as one dense ``[outputs (or rows), in]`` weight (``forward.exl3_apply`` then runs it); returns
+    whether it did."""
     dense = dense_weight(layer, dtype, rows)
     if dense is None:
         return False
@@ -35,9 +36,4 @@ def use_dense_gemm(layer: nn.Module, dtype: torch.dtype, rows: Optional[int] = N
     return True
 
 
-def dense_apply(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The forward of a layer :func:`use_dense_gemm` prepared."""
-    return layer.cpu_linear(x, layer.weight, bias)
-
-
-__all__ = ["dense_apply", "use_dense_gemm"]
+__all__ = ["use_dense_gemm"]

@@ -14,7 +14,10 @@ from torch import nn
 
 
 def exl3_apply(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[..., in] -> [..., sum(out)]``: ``cat_j(x · W_j) + bias``."""
+    """``[..., in] -> [..., sum(out)]``: ``cat_j(x · W_j) + bias`` (one GEMM over the layer's dense weight where
+    :func:`~exl3rt.integrations.vllm.dense.use_dense_gemm` prepared one)."""
+    if getattr(layer, "exl3_dense", False):
+        return layer.cpu_linear(x, layer.weight, bias)
     mods = getattr(layer, "exl3", None)
     if mods is None:
         raise RuntimeError(f"{getattr(layer, 'prefix', type(layer).__name__)}: EXL3 layer used before its weights were "
@@ -61,7 +64,7 @@ def dense_weight(layer: nn.Module, dtype: torch.dtype, rows: Optional[int] = Non
     dense = torch.cat(parts, dim=0)
     if rows is not None and rows > dense.shape[0]:
         dense = torch.nn.functional.pad(dense, (0, 0, 0, int(rows) - dense.shape[0]))
-    return dense.contiguous()
+    return dense.contiguous()   # (a single part may be a strided window)
 
 
 def warm_layer_kernels(layer: nn.Module, dtype: torch.dtype, done: set) -> int:

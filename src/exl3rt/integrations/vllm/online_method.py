@@ -20,7 +20,7 @@ from ...format.bits import Bits
 from ...runtime.linear import Exl3Linear
 from ._compat import LinearMethodBase, ModelWeightParameter, initialize_online_processing
 from .layout import plan_shards
-from .dense import dense_apply, use_dense_gemm
+from .dense import use_dense_gemm
 from .forward import exl3_apply, warm_layer_kernels
 
 if TYPE_CHECKING:
@@ -76,8 +76,6 @@ class Exl3OnlineLinearMethod(LinearMethodBase):
         self.quant_config.note_layer(self.prefix, "online")
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if getattr(layer, "exl3_dense", False):
-            return dense_apply(layer, x, bias)
         return exl3_apply(layer, x, bias)
 
 
