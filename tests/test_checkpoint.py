@@ -172,7 +172,7 @@ def test_error_not_a_quantized_linear(written):
 def test_writer_refuses_existing_checkpoint_and_changes_nothing(written):
     out, _ = written
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
-    with pytest.raises(FormatError, match="already holds .safetensors files"):
+    with pytest.raises(FormatError, match=r"not empty \(README.md, config.json, model-00001-of-"):
         CheckpointWriter(out)
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
 
@@ -228,10 +228,11 @@ def test_model_card_and_stored_bits_per_weight(written):
 def test_model_card_keeps_a_carried_readme_and_replaces_its_own(tmp_path):
     lins = {"model.layers.0.mlp.up_proj": random_linear(128, 256, 3, seed=1)}
     out = tmp_path / "ck"
-    out.mkdir()
-    (out / "README.md").write_text("# The source model\n\nIts own words.\n")
+    source_card = tmp_path / "README.md"
+    source_card.write_text("# The source model\n\nIts own words.\n")
     with CheckpointWriter(out) as w:
         w.add_linear("model.layers.0.mlp.up_proj", lins["model.layers.0.mlp.up_proj"])
+        w.add_file("README.md", source_card)
         w.finish({"architectures": ["LlamaForCausalLM"]}, source="org/source-model")
     card = (out / "README.md").read_text()
     assert "base_model: org/source-model" in card and "from `org/source-model`" in card
@@ -241,7 +242,7 @@ def test_model_card_keeps_a_carried_readme_and_replaces_its_own(tmp_path):
         w.add_linear("model.layers.0.mlp.up_proj", lins["model.layers.0.mlp.up_proj"])
         w.finish({"architectures": ["LlamaForCausalLM"]}, source="org/source-model")
     again = (out / "README.md").read_text()
-    assert again.count("<!-- written by exl3rt -->") == 1
+    assert again.count("<!-- written by exl3rt -->") == 1 and again.count("Its own words.") == 1 and again == card
 
 
 def test_model_card_names_a_hub_source_as_it_is_and_a_local_path_by_its_last_part():

@@ -381,7 +381,7 @@ def test_quantize_into_its_own_source_is_refused(tiny, tmp_path, capsys):
     src = _copy(tiny, tmp_path / "src")
     before = snapshot(src)
     rc, _, err = run(capsys, ["quantize", str(src), str(src), "--quiet"])
-    assert_error_line(rc, err, r"already holds a model \(config.json\)")
+    assert_error_line(rc, err, r"the output directory is the source model")
     assert snapshot(src) == before
 
 
@@ -417,7 +417,7 @@ def test_example_refusals_leave_the_disk_alone(tmp_path, capsys):
     capsys.readouterr()
     before = snapshot(ex)
     rc, _, err = run(capsys, ["example", str(ex)])
-    assert_error_line(rc, err, r"already holds .safetensors files")
+    assert_error_line(rc, err, r"not empty \(README.md, config.json, model-00001-of-00001.safetensors")
     blocker = tmp_path / "file"
     blocker.write_text("x")
     rc, _, err = run(capsys, ["example", str(blocker)])

@@ -37,3 +37,41 @@ def test_a_hub_id_in_the_local_cache_resolves_offline(tmp_path, monkeypatch):
     # a path that is not a Hub ID keeps the plain message
     with pytest.raises(UsageError, match="no such directory"):
         model_dir(str(tmp_path / "nowhere"))
+
+
+def test_a_hub_that_accepts_and_never_answers_is_one_line_within_30_s(tmp_path):
+    """A local listener stands in for the Hub (HF_ENDPOINT): it accepts connections and never replies. Without
+    deadlines `snapshot_download` waited forever (its first call, repo_info, has no timeout)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    held = []
+
+    def accept():
+        while True:
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                return
+    threading.Thread(target=accept, daemon=True).start()
+    env = dict(os.environ, HF_ENDPOINT=f"http://127.0.0.1:{srv.getsockname()[1]}", HF_HOME=str(tmp_path / "hf"))
+    env.pop("HF_HUB_OFFLINE", None)
+    env.pop("HF_HUB_ETAG_TIMEOUT", None)
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "exl3rt.cli.main", "generate", "--model", "org/name"], env=env,
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        srv.close()
+    seconds = time.monotonic() - t0
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "did not answer within 5 s" in proc.stderr and "HF_HUB_ETAG_TIMEOUT" in proc.stderr, proc.stderr
+    assert seconds < 30, seconds
+    assert held, "the command never reached the listener"

@@ -305,7 +305,7 @@ def test_save_errors_leave_the_disk_alone(tmp_path):
     assert not out.exists()
     out.mkdir()
     (out / "keep.safetensors").write_bytes(b"x")
-    with pytest.raises(ValueError, match="already holds .safetensors files"):
+    with pytest.raises(ValueError, match=r"not empty \("):
         save_rank_sliced(out, {PREFIX: experts}, 2)
     assert sorted(p.name for p in out.iterdir()) == ["keep.safetensors"]
 

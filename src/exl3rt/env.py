@@ -175,8 +175,40 @@ ALL: tuple[EnvVar, ...] = (LOG_LEVEL, KERNEL_CACHE_DIR, MODELS_DIR, CACHE_MODE, 
 
 
 def xdg_cache_home() -> str:
-    """``$XDG_CACHE_HOME`` or ``~/.cache`` (the one non-EXL3RT variable exl3rt reads, read here)."""
+    """``$XDG_CACHE_HOME`` or ``~/.cache`` (read here, as the Hub variables below are: the non-EXL3RT variables
+    exl3rt reads)."""
     return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+
+
+#: seconds the Hub's metadata calls (connect, and reading an API answer) may wait, when HF_HUB_ETAG_TIMEOUT is unset
+HUB_METADATA_TIMEOUT = 5.0
+#: seconds a file download may wait for the next bytes, when HF_HUB_DOWNLOAD_TIMEOUT is unset (huggingface_hub's)
+HUB_DOWNLOAD_TIMEOUT = 10.0
+
+
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise EnvError(f"{name}={raw!r}: expected a number of seconds") from None
+    if not value > 0:
+        raise EnvError(f"{name}={raw!r}: expected a positive number of seconds")
+    return value
+
+
+def hub_timeouts() -> tuple[float, float]:
+    """(metadata, download) read timeouts for Hugging Face Hub calls: huggingface_hub's own variables
+    ``HF_HUB_ETAG_TIMEOUT`` and ``HF_HUB_DOWNLOAD_TIMEOUT``, read here, else a few seconds."""
+    return (_seconds("HF_HUB_ETAG_TIMEOUT", HUB_METADATA_TIMEOUT),
+            _seconds("HF_HUB_DOWNLOAD_TIMEOUT", HUB_DOWNLOAD_TIMEOUT))
+
+
+def hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` is set (huggingface_hub's variable, read here)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def kernel_cache_dir() -> str:

@@ -50,6 +50,7 @@ DEFAULT_LOCK_TIMEOUT = 600.0
 #: ``safetensors.torch.save_file`` in older versions): no write of one entry takes this long.
 FOREIGN_TMP_GRACE = 15 * 60.0
 _FANOUT = re.compile(r"[0-9a-f]{2}")
+_ENTRY_NAME = re.compile(r"[0-9a-f]{64}" + re.escape(SUFFIX))    # path_for: the key's SHA-256, hex
 _IN_USE = "being written by another process"
 
 
@@ -500,12 +501,14 @@ class EncodingCache:
         return sorted(out, key=lambda item: item[0])
 
     def entries(self) -> Iterator[CacheEntryInfo]:
-        """Every name ``<digest>.safetensors`` under the real fan-out directories of ``<root>/v1``, sorted by
+        """Every name ``<digest>.safetensors`` (64 hex digits: what :meth:`path_for` names an entry) under the real
+        fan-out directories of ``<root>/v1``, sorted by
         path: header facts of regular files; anything else (directory, link, FIFO …) with ``regular=False``
         and ``error`` saying what it is. Nothing is followed through a symbolic link."""
         for sub in self._fanout_dirs()[0]:
             for p, st in self._scan(sub):
-                if p.name.endswith(SUFFIX) and not p.name.startswith("."):
+                # only names the cache gives its entries: a file put here by hand is never verified away or pruned
+                if _ENTRY_NAME.fullmatch(p.name):
                     yield entry_info(p, st)
 
     def summary(self) -> dict[str, Any]:

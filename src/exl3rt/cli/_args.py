@@ -42,12 +42,20 @@ def int_between(low: int, high: int) -> Callable[[str], int]:
 def check_output_dir(path: str, option: str = "OUT") -> None:
     """Refuse an output directory that exists as a file, or lies under one (one line, before any work)."""
     p = Path(path).expanduser()
-    for q in (p, *p.parents):
-        if q.exists() or q.is_symlink():
-            if not q.is_dir():
-                what = "exists and is not a directory" if q == p else f"lies under {q}, which is not a directory"
-                raise UsageError(f"{option} {path}: {what}")
-            return
+    try:
+        for q in (p, *p.parents):
+            if q.exists() or q.is_symlink():
+                if not q.is_dir():
+                    what = "exists and is not a directory" if q == p else f"lies under {q}, which is not a directory"
+                    raise UsageError(f"{option} {path}: {what}")
+                return
+    except OSError as exc:      # e.g. a name longer than the file system allows
+        raise UsageError(f"{option} {shown_path(path)}: {exc.strerror or exc}") from None
+
+
+def shown_path(path: str, limit: int = 120) -> str:
+    """``path`` for an error line: a name too long to print is cut in the middle."""
+    return path if len(path) <= limit else f"{path[:limit // 2]}...{path[-limit // 2:]} ({len(path)} characters)"
 
 
 #: ``--bits 16``: the unquantized model (generate, eval; quantize --head-bits: keep lm_head unquantized)

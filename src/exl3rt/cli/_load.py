@@ -11,16 +11,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import re
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+from .. import env
 from ..format.bits import normalize_bits
 from ..format.checkpoint import QUANT_METHOD
 from ..format.codebooks import CODEBOOKS
-from ._args import UsageError, check_half_bits
+from ._args import UsageError, check_half_bits, shown_path
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -60,11 +60,18 @@ def is_exl3_checkpoint(path: Path) -> bool:
 
 
 def check_weights(path: Path) -> None:
-    """Read every safetensors header of the model directory (cheap: no tensor data), so that a truncated or
-    corrupt file, a broken index or a config.json that is not JSON is one error line before the load."""
-    from ..util.tensorfiles import TensorFiles
+    """Read every safetensors header of the model directory and compare config.json with them (cheap: no tensor
+    data), so that a truncated or corrupt file, a broken index, a config.json that is not JSON or that would build a
+    model these weights do not fill (layers, heads, sizes) is one error line before the load. An EXL3 checkpoint gets
+    every header and config check its loaders make (:func:`exl3rt.format.validate.validate_checkpoint`; the loader
+    scans the values)."""
+    from ..format.validate import validate_checkpoint, validate_model
 
-    TensorFiles(path)
+    if is_exl3_checkpoint(path):
+        validate_checkpoint(path, data=False)
+    else:
+        # the embedding against config.json is left to the load, whose mismatch report lists every tensor
+        validate_model(path, embedding=False)
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -83,16 +90,19 @@ def hub_snapshot(repo_id: str, flag: str = "--model") -> Path:
         return Path(snapshot_download(repo_id, local_files_only=True))
     except Exception:      # not cached (the hub's own error types vary by version)
         pass
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+    if env.hub_offline():
         raise UsageError(f"{flag} {repo_id}: not a directory, and not in the local Hugging Face cache "
                          f"(HF_HUB_OFFLINE is set); download it first or point {flag} at a directory")
+    from .hub import describe_hub_failure, install_timeouts
+
+    install_timeouts()          # a Hub that never answers is an error in seconds, not a hang
     try:
         return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
                                                                "*.jinja", "tokenizer*"]))
     except Exception as exc:
+        why = describe_hub_failure(exc)
         raise UsageError(f"{flag} {repo_id}: not a directory, not in the local Hugging Face cache, and the Hub could "
-                         f"not be reached ({_first_line(exc)}); download it first or point {flag} at a "
-                         f"directory") from None
+                         f"not be reached ({why}); download it first or point {flag} at a directory") from None
 
 
 def model_dir(value: str, flag: str = "--model", *, exl3: bool = True) -> Path:
@@ -100,7 +110,11 @@ def model_dir(value: str, flag: str = "--model", *, exl3: bool = True) -> Path:
     ``org/name``: :func:`hub_snapshot`), checked as far as headers go: unquantized, or (``exl3``) an EXL3
     checkpoint; :class:`UsageError` or :class:`~exl3rt.util.tensorfiles.TensorFileError` otherwise."""
     path = Path(value).expanduser()
-    if not path.exists() and _HUB_ID.fullmatch(value) and not value.startswith("."):
+    try:
+        exists = path.exists()
+    except OSError as exc:      # e.g. a name longer than the file system allows
+        raise UsageError(f"{flag} {shown_path(value)}: {exc.strerror or exc}") from None
+    if not exists and _HUB_ID.fullmatch(value) and not value.startswith("."):
         path = hub_snapshot(value, flag)
     if not path.exists():
         raise UsageError(f"{flag} {path}: no such directory")

@@ -63,9 +63,9 @@ def add_parser(sub: Any) -> None:
                        "The codes are random (any bit pattern is a valid trellis), so the model talks nonsense,\n"
                        "but every tensor has the exact EXL3 layout: inspect it, load it, benchmark with it.",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out", help="output directory (created; must not already hold .safetensors files)")
+    p.add_argument("out", help="output directory (created; must be new or empty unless --overwrite)")
     p.add_argument("--seed", type=int_between(0, 2**32 - 1), default=0, help="random seed (default 0)")
-    p.add_argument("--overwrite", action="store_true", help="write into a directory that already holds a checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace an EXL3 checkpoint in OUT (files exl3rt did not write are kept)")
     p.set_defaults(run=run)
 
 

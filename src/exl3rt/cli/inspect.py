@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..format.checkpoint import Exl3Checkpoint, LinearInfo
+from ..format.validate import validate_checkpoint
 from ..util.units import fmt_bytes
 
 HELP = "show what an EXL3 checkpoint holds and what loading it builds (directory or .safetensors file)"
@@ -22,7 +23,9 @@ def add_parser(sub: Any) -> None:
                        "also builds the model on the meta device as `from_pretrained` would (no weight is read)\n"
                        "and prints what loads: the architecture, the Exl3Linear and expert modules, whether the\n"
                        "head is quantized, the tensors that stay unquantized, and how to run it. The same checks\n"
-                       "as loading run here: a tensor missing, cut off or unknown is one error line naming it.\n\n"
+                       "as loading run here (dtypes, shapes, duplicates, config.json against the tensors): a\n"
+                       "tensor missing, cut off, mislabelled or unknown is one error line naming it; --validate\n"
+                       "adds the values (NaN/inf), as every loader does.\n\n"
                        "K (bits per weight) of each layer comes from its trellis shape; 'bpw' is the\n"
                        "weight-averaged K over all quantized linears, 'bpw+scales' also counts suh/svh/bias/marker\n"
                        "bytes. A layer's experts that share shape, K and codebook are one row (--all: one each).",
@@ -31,7 +34,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON (layers, totals, load plan) instead of a table")
     p.add_argument("--all", action="store_true", help="one row per expert instead of one per layer's experts")
     p.add_argument("--validate", action="store_true",
-                   help="also load every layer and check dtypes, shapes, markers and finiteness")
+                   help="also read the values: every layer loaded and checked, no NaN/inf in any stored tensor, "
+                        "markers; a directory must be a complete checkpoint (config.json)")
     p.set_defaults(run=run)
 
 
@@ -110,24 +114,31 @@ def _describe_plan(plan: dict[str, Any], ckpt: Exl3Checkpoint, path: Path) -> li
 
 def run(args: argparse.Namespace) -> int:
     path = Path(args.path)
-    ckpt = Exl3Checkpoint(path)
+    # the loaders' own checks (format/validate.py); --validate adds the values and needs a complete checkpoint
+    ckpt = validate_checkpoint(path, data=args.validate, require_config=args.validate)
     linears = ckpt.linears()
     if args.validate:
-        ckpt.check_markers()
         for li in linears:
             ckpt.load_linear(li.name)  # raises FormatError naming the tensor
-    plan = _plan(path) if path.is_dir() and (path / "config.json").is_file() and linears else None
+    incomplete = path.is_dir() and ckpt.config is None
+    note = (f"{path}: no config.json, so not a complete checkpoint (an interrupted save or quantize leaves none; "
+            f"rerun it); its tensors are listed, nothing can load it") if incomplete else None
+    plan = _plan(path) if path.is_dir() and not incomplete and linears else None
     summary = ckpt.summary()
     if args.json:
         rows = [{"name": li.name, "in": li.in_padded, "out": li.out_padded, "bits": li.bits,
                  "codebook": li.codebook, "bytes": li.nbytes, "bias": li.has_bias} for li in linears]
         out: dict[str, Any] = {"layers": rows, "totals": summary}
+        if note:
+            out["note"] = note
         if plan is not None and "error" not in plan:
             out["loads"] = {**plan, "other": {n: {"dtype": d, "shape": list(s)} for n, (d, s) in plan["other"].items()}}
         elif plan is not None:
             out["loads"] = plan
         print(json.dumps(out, indent=2))
         return 0
+    if note:
+        print(f"note         {note}")
     if not linears:
         print(f"{args.path}: no EXL3-quantized linears found")
         return 0

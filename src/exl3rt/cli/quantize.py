@@ -23,6 +23,9 @@ is encoded with LDLQ error feedback from its input Hessian, and its scales refit
 A crash or Ctrl-C loses at most the layer in progress: rerun the same command to resume
 (finished layers are kept in OUT/.exl3rt-work until the checkpoint is complete).
 
+OUT must be new or empty (or hold the run to resume); --overwrite replaces an EXL3 checkpoint there
+and leaves every other file alone. OUT may not be, contain or lie inside SRC or the encoding cache.
+
 examples:
   exl3rt quantize ./SmolLM2-135M ./SmolLM2-135M-exl3-4.0 --bits 4
   exl3rt quantize ./model ./model-exl3 --bits 3 --bits-for '*.down_proj=4' --codebook mul1
@@ -54,7 +57,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "numba", "triton", "torch"),
                    help="Viterbi backend (default auto: triton on CUDA, numba on CPU)")
     p.add_argument("--device", default="cpu", help="device for the encoder, e.g. cuda (default cpu)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint or unfinished conversion in OUT")
+    p.add_argument("--overwrite", action="store_true",
+                   help="OUT may hold files: its EXL3 checkpoint files (and an unfinished conversion) are replaced; "
+                        "files exl3rt did not write are kept, and refused if the checkpoint would replace them")
     p.add_argument("--cache-mode", choices=("readwrite", "readonly", "off", "rw", "read-only", "none"),
                    help="encoding cache: layers it holds are read, not encoded (default: EXL3RT_CACHE_MODE or "
                         "readwrite; the keys are those of online quantization)")
@@ -91,6 +96,12 @@ def run(args: argparse.Namespace) -> int:
     check_half_bits("--head-bits", [args.head_bits], args.codebook)
     check_output_dir(args.out)
     check_device(args.device)
+    from ..cache.modes import resolve_root
+    from ..format.output import check_location
+
+    # before anything is read: OUT may not overlap SRC or the encoding cache (whatever the cache mode)
+    protect = {"the source model": args.src, "the encoding cache": resolve_root(args.cache_dir)}
+    check_location(args.out, protect)
     hessians, calib_id = None, None
     if args.calibrate:
         from ..convert.calibrate import collect_hessians
@@ -103,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed, keep=tuple(args.keep), overrides=tuple(parse_overrides(args.bits_for)),
         hessians=hessians, calibration_id=calib_id, backend=args.backend, device=args.device,
         overwrite=args.overwrite, progress=not args.quiet, cache=_cache(args), cache_only=args.from_cache,
+        protect=protect,
     )
     err = summary["mean_proxy_err"]
     print(f"wrote {summary['out']}: {summary['linears']} linears ({summary['encoded']} encoded, "

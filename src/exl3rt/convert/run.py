@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -36,10 +37,11 @@ from ..cache.key import module_seed
 from ..encode.errors import EncodeError
 from ..encode.quantize import ENCODER_VERSION, quantize_weight
 from ..format.checkpoint import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME
-from ..format.checkpoint_write import PARTIAL_SUFFIX, CheckpointWriter, card_source
+from ..format.checkpoint_write import CheckpointWriter, card_source
+from ..format.output import PARTIAL_NAME, WEIGHT_SUFFIXES, WORK_DIR, check_location, check_output, is_layout_name
 from ..format.encoded import EncodedLinear, padded_width
 from ..format.errors import FormatError
-from ..util.fs import atomic_path, atomic_write_text, sweep_temp_files
+from ..util.fs import atomic_path, atomic_write_text, sweep_temp_files, temp_target
 from ..util.progress import Progress
 from ..util.safetensors_io import write_safetensors
 from ..util.tensorfiles import TensorFiles, natural_key
@@ -47,12 +49,8 @@ from .plan import ConversionPlan, LinearJob, plan_conversion
 
 log = logging.getLogger("exl3rt.convert")
 
-WORK_DIR = ".exl3rt-work"
 LOCK_NAME = "lock"
 JOB_NAME = "job.json"
-
-#: weights in other formats (never copied beside the EXL3 checkpoint)
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz")
 
 
 def side_files(src_dir: Path) -> list[Path]:
@@ -61,7 +59,7 @@ def side_files(src_dir: Path) -> list[Path]:
     (``*.index.json``), ``config.json`` and ``quantization_config.json`` (written anew) and hidden files."""
     return sorted(p for p in Path(src_dir).iterdir()
                   if p.is_file() and not p.name.startswith(".") and p.name not in (CONFIG_NAME, QCONFIG_NAME)
-                  and not p.name.endswith((".index.json", *_WEIGHT_SUFFIXES)))
+                  and not p.name.endswith((".index.json", *WEIGHT_SUFFIXES)))
 
 
 def _job_record(src: TensorFiles, plan: ConversionPlan, settings: dict[str, Any]) -> dict[str, Any]:
@@ -137,13 +135,25 @@ def _remove_work(work: Path) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
-def _sweep(out: Path, work: Path) -> None:
-    """Temporaries and unnamed shards of a killed run (call with the work lock held)."""
-    for d in (out, work, work / "layers"):
+def _sweep(out: Path, work: Path, sides: frozenset[str]) -> None:
+    """Temporaries and unnamed shards of a killed run (call with the work lock held); in OUT only those of files
+    this run writes."""
+    sweep_temp_files(out, owned=lambda t: is_layout_name(t) or bool(PARTIAL_NAME.fullmatch(t)) or t in sides)
+    for d in (work, work / "layers"):
         sweep_temp_files(d)
-    for part in out.glob(f"*{PARTIAL_SUFFIX}"):
-        if part.is_file() and not part.is_symlink():
+    for part in out.iterdir():
+        if PARTIAL_NAME.fullmatch(part.name) and part.is_file() and not part.is_symlink():
             part.unlink()
+
+
+def _resumed_files(out: Path, sides: frozenset[str]) -> frozenset[str]:
+    """Files in OUT that a killed run of this conversion published (it held OUT empty, or replaceable, when it
+    began): checkpoint files and the source's side files. Empty unless OUT has a work folder with a job record."""
+    if not (out / WORK_DIR / JOB_NAME).is_file():
+        return frozenset()
+    def ours(name: str) -> bool:
+        return is_layout_name(name) or name in sides
+    return frozenset(n for n in os.listdir(out) if ours(n) or ours(temp_target(n) or ""))
 
 
 def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codebook: str = "mcg", head_bits=6,
@@ -152,7 +162,7 @@ def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codeboo
                        calibration_id: Optional[str] = None, backend: str = "auto",
                        device: str | torch.device = "cpu", overwrite: bool = False, progress: bool = True,
                        max_shard_bytes: Optional[int] = None, cache: Any = None,
-                       cache_only: bool = False) -> dict[str, Any]:
+                       cache_only: bool = False, protect: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Convert the HF checkpoint at ``src_path`` to EXL3 in ``out``; returns a summary dict.
 
     ``hessians(name)`` gives a layer's ``XᵀX/n`` (calibrated mode) or None; ``calibration_id``
@@ -161,10 +171,18 @@ def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codeboo
     quantization, so a model encoded either way is a read for the other. ``cache_only``: export from the cache
     alone, encoding nothing: every layer (not already finished in OUT's work folder) must be in ``cache``,
     checked before OUT is touched; a missing one is an :class:`EncodeError` naming it.
+
+    OUT (:mod:`exl3rt.format.output`) may not overlap the source, the cache's root or what ``protect`` names (what
+    -> path), checked before anything is read; it must be new or empty unless ``overwrite`` (or a killed run of
+    this conversion is resumed), and with ``overwrite`` only checkpoint files and files of an earlier exl3rt
+    write are replaced or removed.
     """
     t0 = time.perf_counter()
-    src = TensorFiles(src_path)
     out = Path(out)
+    protect = {"the source model": src_path, **({"the encoding cache": cache.root} if cache is not None else {}),
+               **(protect or {})}
+    check_location(out, protect)
+    src = TensorFiles(src_path)
     if src.config is None:
         raise EncodeError(f"{src.path}: no config.json; exl3rt quantize needs a Hugging Face model directory")
     plan = plan_conversion(src, bits, codebook, head_bits=head_bits, keep=keep, overrides=overrides)
@@ -173,16 +191,19 @@ def convert_checkpoint(src_path: str | Path, out: str | Path, *, bits=4, codeboo
     record = _job_record(src, plan, settings)
     digest = _digest(record)
     work = out / WORK_DIR
-    if (out / CONFIG_NAME).exists() and not overwrite:
-        if work.is_dir() and _same_job(work / JOB_NAME, digest):
-            return _finish_cleanup(out, work, plan, t0)
-        raise EncodeError(f"{out}: already holds a model (config.json); choose a new directory or --overwrite")
+    sides = frozenset(p.name for p in side_files(src.root))
+    if (out / CONFIG_NAME).exists() and not overwrite and work.is_dir() and _same_job(work / JOB_NAME, digest):
+        return _finish_cleanup(out, work, plan, sides, t0)
+    try:
+        check_output(out, overwrite=overwrite, writes=sides, owned=_resumed_files(out, sides), protect=protect)
+    except FormatError as exc:
+        raise EncodeError(str(exc)) from None
     keys = _cached_keys(src, plan, cache, seed, hessians, work) if cache_only else None
     made_out, made_work = not out.exists(), not work.exists()
     lock = _lock_work(work, out)
     try:
         return _convert_locked(src, out, plan, record, digest, made_out=made_out, made_work=made_work,
-                               overwrite=overwrite, seed=seed, hessians=hessians, calibration_id=calibration_id,
+                               overwrite=overwrite, sides=sides, protect=protect, seed=seed, hessians=hessians, calibration_id=calibration_id,
                                backend=backend, device=device, progress=progress,
                                max_shard_bytes=max_shard_bytes, t0=t0, lock=lock, cache=cache, keys=keys)
     finally:
@@ -230,11 +251,11 @@ def _same_job(job_file: Path, digest: str) -> bool:
         return False
 
 
-def _finish_cleanup(out: Path, work: Path, plan: ConversionPlan, t0: float) -> dict[str, Any]:
+def _finish_cleanup(out: Path, work: Path, plan: ConversionPlan, sides: frozenset[str], t0: float) -> dict[str, Any]:
     """OUT holds the finished checkpoint of this job (config.json is written last); a kill left the work folder."""
     lock = _lock_work(work, out)
     try:
-        _sweep(out, work)
+        _sweep(out, work, sides)
         _remove_work(work)
     finally:
         lock.release()
@@ -245,7 +266,8 @@ def _finish_cleanup(out: Path, work: Path, plan: ConversionPlan, t0: float) -> d
 
 
 def _convert_locked(src: TensorFiles, out: Path, plan: ConversionPlan, record: dict[str, Any], digest: str, *,
-                    made_out: bool, made_work: bool, overwrite: bool, seed: int,
+                    made_out: bool, made_work: bool, overwrite: bool, sides: frozenset[str],
+                    protect: dict[str, Any], seed: int,
                     hessians: Optional[Callable[[str], Optional[torch.Tensor]]], calibration_id: Optional[str],
                     backend: str, device: str | torch.device, progress: bool, max_shard_bytes: Optional[int],
                     t0: float, lock: filelock.BaseFileLock, cache: Any = None,
@@ -272,7 +294,7 @@ def _convert_locked(src: TensorFiles, out: Path, plan: ConversionPlan, record: d
                     f"rerun with the same settings to resume, or pass --overwrite to start over"
                 )
             shutil.rmtree(layers_dir, ignore_errors=True)
-    _sweep(out, work)
+    _sweep(out, work, sides)
     layers_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(job_file, json.dumps(record, indent=2, sort_keys=True) + "\n")
 
@@ -329,7 +351,8 @@ def _convert_locked(src: TensorFiles, out: Path, plan: ConversionPlan, record: d
         errs.append(float(lin.info.get("proxy_err", float("nan"))))
     bar.close()
 
-    kw = {"overwrite": True}
+    # OUT was checked at the start (empty, resumed, or --overwrite): its checkpoint files are this run's to replace
+    kw = {"overwrite": True, "writes": sides, "owned": _resumed_files(out, sides), "protect": protect}
     if max_shard_bytes:
         kw["max_shard_bytes"] = max_shard_bytes
     entries: list[tuple[str, Optional[LinearJob]]] = [(f"{j.name}.weight", j) for j in plan.linears]
@@ -344,9 +367,8 @@ def _convert_locked(src: TensorFiles, out: Path, plan: ConversionPlan, record: d
                 raise EncodeError(f"{job.name}: finished layer vanished from {layers_dir}; rerun to re-encode it")
             writer.add_linear(job.name, lin)
         copied = []
-        for side in side_files(src.root):          # before finish: config.json marks the checkpoint complete
-            with atomic_path(out / side.name) as tmp:
-                shutil.copyfile(side, tmp)
+        for side in side_files(src.root):          # copied by finish, before config.json marks it complete
+            writer.add_file(side.name, side)
             copied.append(side.name)
         config = dict(src.config)
         qfields = {"calibration": {"id": calibration_id} if calibration_id else None, "seed": seed}

@@ -11,8 +11,12 @@ A linear is EXL3 iff it has ``<key>.trellis`` plus ``suh`` (or legacy ``su``) pl
 trellis with ``<key>.signs`` is a quantized table (exllamav3's quantized embeddings), listed in ``tables``.
 A linear's scales without its trellis (or the reverse), or a tensor under a linear's name that EXL3 does not
 define, is a FormatError naming the tensor: listing never silently drops part of a checkpoint.
-Listing reads only the safetensors headers; tensors are memory-mapped and loaded one linear at a
-time. K always comes from the trellis shape, never from config.json.
+Listing reads only the safetensors headers, and checks what they tell: each EXL3 tensor's dtype exactly as the
+format stores it (``STORED_DTYPES``: nothing is cast), suh/svh/bias/marker shapes against the trellis, each tensor
+in exactly one file (:class:`~exl3rt.util.tensorfiles.TensorFiles`), and a ``transformers_weights`` entry of
+config.json that would make transformers read other files than these. Tensors are memory-mapped and loaded one linear
+at a time. K always comes from the trellis shape, never from config.json. :mod:`exl3rt.format.validate` adds the
+checks of config.json against the tensors and of the tensors' values, which every loader and ``inspect`` share.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ import torch
 
 from ..util.names import module_path_problem
 from ..util.tensorfiles import CONFIG_NAME, INDEX_NAME, TensorFileError, TensorFiles, TensorInfo, natural_key, read_json
-from .bits import Bits, bits_from_width
+from .bits import Bits, bits_from_width, is_half
 from .codebooks import MARKERS
-from .encoded import EncodedLinear, codebook_from_markers
+from .encoded import PAD, STORED_DTYPES, EncodedLinear, codebook_from_markers
 from .errors import FormatError
 
 QCONFIG_NAME = "quantization_config.json"
@@ -81,6 +85,7 @@ class Exl3Checkpoint:
             except TensorFileError as exc:
                 raise FormatError(str(exc)) from None
         self._check_quant_method()
+        self._check_weights_file()
         for n in self.files.names():   # names become module paths in every loader
             problem = module_path_problem(n)
             if problem:
@@ -99,6 +104,52 @@ class Exl3Checkpoint:
                 f"{self.root / CONFIG_NAME}: quantization_config.quant_method is {method!r}, not {QUANT_METHOD!r}; "
                 f"this is not an EXL3 checkpoint"
             )
+
+    def _check_weights_file(self) -> None:
+        """config.json's ``transformers_weights`` makes transformers load that file instead of what this reader
+        lists; unless it names what is read here, loaders would disagree on the weights."""
+        if self.config is None or "transformers_weights" not in self.config:
+            return
+        named = self.config["transformers_weights"]
+        reads = self.files.source or (self.files.file_names[0] if len(self.files.file_names) == 1 else None)
+        if named != reads:
+            what = self.files.source or ", ".join(self.files.file_names[:3])
+            raise FormatError(f"{self.root / CONFIG_NAME}: transformers_weights names {named!r}, but the checkpoint's "
+                              f"weights are read from {what}; transformers would load other tensors than every other "
+                              f"EXL3 loader: remove transformers_weights from config.json (or make it name {what})")
+
+    def _check_parts(self, key: str, have: set[str]) -> tuple[int, int]:
+        """Dtype (exact, from the header) and shape of every stored part of linear ``key``; its padded widths."""
+        for part in sorted(have & set(_LINEAR_PARTS)):
+            info = self._tensors[f"{key}.{part}"]
+            want = STORED_DTYPES[part]
+            if info.dtype not in want:
+                raise FormatError(f"{key}.{part}: stored as {info.dtype} in {self.root / info.file}, but EXL3 stores "
+                                  f"it as {' or '.join(want)}; the tensor is mislabelled or from another format and is "
+                                  f"not cast: convert the checkpoint again")
+        trellis = self._tensors[f"{key}.trellis"]
+        if len(trellis.shape) != 3:
+            raise FormatError(f"{key}.trellis: expected shape [in/16, out/16, 16*K], got {trellis.shape}")
+        in_p, out_p = trellis.shape[0] * 16, trellis.shape[1] * 16
+        for side, n in (("input", in_p), ("output", out_p)):
+            if n == 0 or n % PAD:
+                raise FormatError(f"{key}.trellis: shape {list(trellis.shape)} in {self.root / trellis.file} gives a "
+                                  f"padded {side} width of {n}, not a positive multiple of {PAD}; the tensor is "
+                                  f"corrupt")
+        shapes = {"suh": (in_p,), "svh": (out_p,), "su": (in_p // 16,), "sv": (out_p // 16,), "bias": (out_p,)}
+        for part in sorted(have & set(_LINEAR_PARTS)):
+            info = self._tensors[f"{key}.{part}"]
+            if part in MARKERS:
+                ok, want_s = info.numel == 1 and len(info.shape) <= 1, "[] (an int32 scalar)"
+            elif part in shapes:
+                ok, want_s = info.shape == shapes[part], str(list(shapes[part]))
+            else:
+                continue
+            if not ok:
+                raise FormatError(f"{key}.{part}: shape {list(info.shape)} in {self.root / info.file}, but the trellis "
+                                  f"{list(trellis.shape)} makes it {want_s}; the checkpoint is corrupt (download or "
+                                  f"convert it again)")
+        return in_p, out_p
 
     def _find_linears(self) -> dict[str, LinearInfo]:
         parts: dict[str, set[str]] = {}
@@ -127,17 +178,19 @@ class Exl3Checkpoint:
                 raise FormatError(f"{key}.{unknown[0]}: not a tensor an EXL3 linear stores (trellis, suh/svh or su/sv, "
                                   f"bias, and an mcg or mul1 codebook marker or none for 3inst); an unknown codebook "
                                   f"marker, or a checkpoint from a newer exllamav3")
+            in_p, out_p = self._check_parts(key, have)
             info = self._tensors[f"{key}.trellis"]
-            if len(info.shape) != 3:
-                raise FormatError(f"{key}.trellis: expected shape [in/16, out/16, 16*K], got {info.shape}")
             markers = [m for m in MARKERS if m in have]
             if len(markers) > 1:
                 raise FormatError(f"{key}: both .mcg and .mul1 markers present")
+            bits = bits_from_width(info.shape[2], name=f"{key}.trellis")
+            codebook = markers[0] if markers else "3inst"
+            if is_half(bits) and codebook != "mul1":
+                raise FormatError(f"{key}.trellis: half-integer K = {bits} (from its shape) needs the mul1 codebook, "
+                                  f"but the linear's codebook is {codebook}; the checkpoint is corrupt")
             stored = [f"{key}.{p}" for p in _LINEAR_PARTS if p in have]
             out[key] = LinearInfo(
-                name=key, in_padded=info.shape[0] * 16, out_padded=info.shape[1] * 16,
-                bits=bits_from_width(info.shape[2], name=f"{key}.trellis"),
-                codebook=markers[0] if markers else "3inst",
+                name=key, in_padded=in_p, out_padded=out_p, bits=bits, codebook=codebook,
                 nbytes=sum(self._tensors[p].nbytes for p in stored), has_bias="bias" in have,
             )
         return dict(sorted(out.items(), key=lambda kv: natural_key(kv[0])))

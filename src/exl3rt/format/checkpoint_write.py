@@ -2,9 +2,14 @@
 
 Tensors are buffered into shards of at most ``max_shard_bytes`` (default 8192 MB, as exllamav3).
 Each shard is written under a ``*.partial`` name, fsynced and renamed; :meth:`CheckpointWriter.finish`
-gives the shards their final names ``model-0000i-of-0000N.safetensors`` and then writes
-``model.safetensors.index.json``, ``quantization_config.json`` and ``config.json`` atomically. A crash
-before ``finish`` leaves no index and no config, so nothing half-written looks like a checkpoint.
+gives the shards their final names ``model-0000i-of-0000N.safetensors``, copies the side files (tokenizer,
+generation config, ...) and then writes ``model.safetensors.index.json``, ``quantization_config.json`` (with the
+manifest: every file the write published), the model card and ``config.json`` atomically. A crash before
+``finish`` leaves no index and no config, so nothing half-written looks like a checkpoint; the next writer into
+the directory sweeps what the crashed one left (its partial shards and temporaries).
+
+Which directory may be written, and what in it may be replaced or removed: :mod:`exl3rt.format.output`. One
+writer at a time holds the directory (a lock on the directory itself).
 
 What exllamav3 needs to load the result: int16 trellis, fp16 suh/svh (and bias), an int32 scalar
 marker for mcg/mul1, HF module names, and ``quantization_config.quant_method == "exl3"``.
@@ -12,26 +17,29 @@ marker for mcg/mul1, HF module names, and ``quantization_config.quant_method == 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
 from .. import __version__
-from ..util.fs import atomic_path, atomic_write_text, fsync_dir
+from ..util.fs import DirectoryLock, atomic_path, atomic_write_text, fsync_dir, sweep_temp_files
+from ..util.names import file_name_problem
 from ..util.safetensors_io import write_safetensors
 from .bits import Bits
 from .checkpoint import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME, QUANT_METHOD
 from .codebooks import MARKERS
 from .encoded import EncodedLinear
 from .errors import FormatError
+from .output import (CARD_NAME, GENERATION_NAME, LAYOUT_NAMES, MANIFEST_KEY, PARTIAL_NAME, PARTIAL_SUFFIX, SHARD_NAME,
+                     check_output, is_layout_name)
 
 DEFAULT_SHARD_BYTES = 8192 * 2**20
-PARTIAL_SUFFIX = ".safetensors.partial"
-_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 class CheckpointWriter:
@@ -44,21 +52,52 @@ class CheckpointWriter:
     """
 
     def __init__(self, out_dir: str | os.PathLike[str], *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 overwrite: bool = False):
+                 overwrite: bool = False, protect: Mapping[str, Any] = {}, writes: Iterable[str] = (),
+                 owned: Iterable[str] = (), option: str = "overwrite=True"):
+        """``overwrite``, ``protect`` (what -> path that OUT may not overlap, e.g. the source model), ``writes``
+        (side files :meth:`add_file` / :meth:`add_text` will add) and ``owned`` (names the caller knows are its
+        own) are :func:`exl3rt.format.output.check_output`'s; a refusal changes nothing on disk."""
         self.out_dir = Path(out_dir)
-        if self.out_dir.exists() and not self.out_dir.is_dir():
-            raise FormatError(f"{self.out_dir}: exists and is not a directory")
-        if self.out_dir.is_dir() and not overwrite and any(self.out_dir.glob("*.safetensors")):
-            raise FormatError(f"{self.out_dir}: already holds .safetensors files; choose an empty directory or overwrite")
+        self._check = dict(overwrite=overwrite, writes=tuple(writes), owned=tuple(owned), protect=dict(protect),
+                           option=option)
+        check_output(self.out_dir, **self._check)      # before anything is created
+        made = not self.out_dir.exists()
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = DirectoryLock(self.out_dir)
+        try:
+            try:
+                self._lock.acquire()
+            except BlockingIOError:
+                raise FormatError(f"{self.out_dir}: another exl3rt write into this directory is in progress; wait "
+                                  f"for it to finish, or choose another directory") from None
+            self._replaceable = check_output(self.out_dir, **self._check)   # as it is now that we hold it
+        except BaseException:
+            self._lock.release()
+            if made:
+                with contextlib.suppress(OSError):
+                    self.out_dir.rmdir()
+            raise
+        self._sweep()
         self.max_shard_bytes = int(max_shard_bytes)
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._parts: list[tuple[Path, list[str]]] = []
         self._names: set[str] = set()
         self._linears: dict[str, tuple[Bits, str, dict[str, Any]]] = {}
+        self._side: dict[str, Path | str] = {}
         self._total_bytes = 0
         self._finished = False
+
+    def _sweep(self) -> None:
+        """What a killed writer left here: partial shards, and temporaries of files a checkpoint write makes."""
+        side = set(self._check["writes"]) | self._replaceable
+
+        def ours(target: str) -> bool:
+            return is_layout_name(target) or bool(PARTIAL_NAME.fullmatch(target)) or target in side
+        sweep_temp_files(self.out_dir, owned=ours)
+        for part in self.out_dir.iterdir():
+            if PARTIAL_NAME.fullmatch(part.name) and part.is_file() and not part.is_symlink():
+                part.unlink()
 
     # ---- adding --------------------------------------------------------------------------------
     def add_linear(self, name: str, linear: EncodedLinear) -> None:
@@ -72,6 +111,28 @@ class CheckpointWriter:
     def add_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """Add an unquantized tensor (embedding, norm, router, …) as it is."""
         self._add_group({name: tensor})
+
+    def add_file(self, name: str, source: str | os.PathLike[str]) -> None:
+        """Copy file ``source`` into the checkpoint as ``name`` (a tokenizer file, a chat template, ...) when it is
+        finished; a ``README.md`` is kept inside the model card instead, under "Original model card"."""
+        self._add_side(name, Path(source))
+
+    def add_text(self, name: str, text: str) -> None:
+        """Write ``text`` into the checkpoint as file ``name`` (e.g. ``generation_config.json``) when it is
+        finished."""
+        self._add_side(name, text)
+
+    def _add_side(self, name: str, what: Path | str) -> None:
+        if self._finished:
+            raise FormatError("checkpoint writer: already finished")
+        problem = file_name_problem(name)
+        if problem or (name in LAYOUT_NAMES and name not in (CARD_NAME, GENERATION_NAME)) or SHARD_NAME.fullmatch(name):
+            raise FormatError(f"{name!r}: not a side file a checkpoint can carry "
+                              f"({problem or 'the checkpoint writes that file itself'})")
+        if name not in self._replaceable and (self.out_dir / name).exists() and name not in self._check["writes"]:
+            raise FormatError(f"{self.out_dir / name}: exists and exl3rt did not write it; move or delete it, or "
+                              f"choose another directory")
+        self._side[name] = what
 
     def _add_group(self, tensors: dict[str, torch.Tensor]) -> None:
         if self._finished:
@@ -147,35 +208,59 @@ class CheckpointWriter:
             os.replace(part, final)
             weight_map.update({name: final.name for name in names})
         shards = set(weight_map.values())
-        for old in self.out_dir.iterdir():   # shards of an earlier checkpoint with another shard count
-            if _SHARD.fullmatch(old.name) and old.name not in shards and old.is_file():
-                old.unlink()
+        card_source_text = self._side.pop(CARD_NAME, None)
+        written = shards | set(self._side) | {INDEX_NAME, QCONFIG_NAME, CARD_NAME, CONFIG_NAME}
+        # what an earlier checkpoint here had and this one does not (only files this write may replace)
+        for old in sorted(self._replaceable - written):
+            path = self.out_dir / old
+            if path.is_file() or path.is_symlink():
+                path.unlink()
         fsync_dir(self.out_dir)
+        for name, what in self._side.items():
+            with atomic_path(self.out_dir / name) as tmp:
+                if isinstance(what, Path):
+                    shutil.copyfile(what, tmp)
+                else:
+                    tmp.write_text(what, encoding="utf8")
         index = {"metadata": {"total_size": self._total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         atomic_write_text(self.out_dir / INDEX_NAME, json.dumps(index, indent=2) + "\n")
         qc = self.quantization_config(head_name, **(quantization_config or {}))
         side = dict(qc)
+        side[MANIFEST_KEY] = sorted(written)
         side["tensor_storage"] = {
             name: {"stored_tensors": storage, "quant_format": "exl3", "bits_per_weight": bits,
                    **({f"{cb}_multiplier": MARKERS[cb] & 0xFFFFFFFF} if cb in MARKERS else {})}
             for name, (bits, cb, storage) in self._linears.items()
         }
         atomic_write_text(self.out_dir / QCONFIG_NAME, json.dumps(side, indent=2) + "\n")
-        readme = self.out_dir / "README.md"
-        original = readme.read_text(errors="replace") if readme.is_file() and not readme.is_symlink() else None
-        if original is not None and original.startswith(CARD_MARK):
-            original = None                 # our own card from an earlier write: replaced
         card = model_card(qc, {k: (v[0], v[1], _tile_count(v[2]) * 256) for k, v in self._linears.items()},
                           source=source, architecture=(config or {}).get("architectures", [None])[0])
+        original = self._original_card(card_source_text)
         if original:
-            card += "\n---\n\n## Original model card\n\n" + original
-        atomic_write_text(readme, card)
+            card += ORIGINAL_CARD + original
+        atomic_write_text(self.out_dir / CARD_NAME, card)
         cfg = dict(config or {})
         cfg["quantization_config"] = qc
         if head_name in self._linears:
             cfg["tie_word_embeddings"] = False  # the head is stored separately, quantized
         atomic_write_text(self.out_dir / CONFIG_NAME, json.dumps(cfg, indent=2) + "\n")
+        self._lock.release()
         return self.out_dir
+
+    def _original_card(self, carried: Optional[Path | str]) -> Optional[str]:
+        """The model card that ours carries under "Original model card": the one added (the source's), else a
+        card already in the directory that is not ours, else the original section of our own earlier card."""
+        if isinstance(carried, Path):
+            return carried.read_text(errors="replace")
+        if isinstance(carried, str):
+            return carried
+        readme = self.out_dir / CARD_NAME
+        if not readme.is_file() or readme.is_symlink():
+            return None
+        text = readme.read_text(errors="replace")
+        if not text.startswith(CARD_MARK):
+            return text
+        return text.split(ORIGINAL_CARD, 1)[1] if ORIGINAL_CARD in text else None
 
     def abort(self) -> None:
         """Remove shards written so far (partial names only; a finished checkpoint is never touched)."""
@@ -184,6 +269,7 @@ class CheckpointWriter:
                 part.unlink()
         self._parts.clear()
         self._pending.clear()
+        self._lock.release()
 
     def __enter__(self) -> "CheckpointWriter":
         return self
@@ -191,6 +277,7 @@ class CheckpointWriter:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is not None and not self._finished:
             self.abort()
+        self._lock.release()
 
 
 def _tile_count(storage: dict[str, Any]) -> int:
@@ -218,6 +305,7 @@ def card_source(name_or_path: Any, fallback: Optional[str] = None) -> Optional[s
 
 
 CARD_MARK = "<!-- written by exl3rt -->"
+ORIGINAL_CARD = "\n---\n\n## Original model card\n\n"
 _INDEX = re.compile(r"\.\d+(?=\.|$)")
 
 

@@ -30,6 +30,14 @@ from .reconstruct import decode, reconstruct
 
 PAD = HAD_BLOCK  # widths are padded to multiples of 128
 
+#: The safetensors dtype of each tensor an EXL3 linear stores (the table above); checkpoint readers compare the
+#: header's label with it before reading (a relabelled tensor is never cast). The reference loader asserts the same,
+#: except that it takes an F32 bias and rounds it to F16, as :meth:`EncodedLinear.from_state_dict` does.
+STORED_DTYPES: dict[str, tuple[str, ...]] = {
+    "trellis": ("I16",), "suh": ("F16",), "svh": ("F16",), "su": ("I16",), "sv": ("I16",), "bias": ("F16", "F32"),
+    **{marker: ("I32",) for marker in MARKERS},
+}
+
 
 def padded_width(n: int) -> int:
     """``n`` rounded up to a multiple of 128."""

@@ -69,6 +69,7 @@ from ..format.checkpoint import QUANT_METHOD as CHECKPOINT_METHOD
 from ..format.checkpoint import Exl3Checkpoint, LinearInfo
 from ..format.encoded import padded_width
 from ..format.errors import FormatError
+from ..format.validate import validate_checkpoint
 from ..runtime.config import QUANT_METHOD
 from ..runtime.config import Exl3Config as RuntimeExl3Config
 from ..runtime.config import Exl3ConfigError as RuntimeExl3ConfigError
@@ -80,7 +81,7 @@ from ..runtime.moe_module import install_moe_runtimes
 from ..runtime.fusion import fuse_linears
 from ..runtime.policy import RULE_NEEDS_STATS, ExpertsTarget, LinearTarget, fused_experts_layout, select_targets
 from ..runtime.surgery import quantize_linear, replace_module, untie_head
-from ..util.tensorfiles import natural_key
+from ..util.tensorfiles import CONFIG_NAME, natural_key
 from ..util.progress import Progress
 from ..util.units import parse_bytes
 
@@ -396,11 +397,13 @@ def save_pretrained_exl3(model: nn.Module, save_directory: str | os.PathLike[str
     if push_to_hub:
         raise ValueError("exl3rt: save_pretrained(push_to_hub=True) is not supported; save to a directory, then "
                          "upload it with huggingface_hub's upload_folder")
-    save_exl3(model, save_directory, max_shard_bytes=parse_bytes(max_shard_size), overwrite=True,
-              progress=False)
     gen = getattr(model, "generation_config", None)
+    side = {}
     if gen is not None and getattr(model, "can_generate", lambda: False)():
-        gen.save_pretrained(str(save_directory))
+        side["generation_config.json"] = gen.to_json_string(use_diff=True)
+    # replaces its own earlier files, as transformers' save_pretrained does; nothing else in the directory
+    save_exl3(model, save_directory, max_shard_bytes=parse_bytes(max_shard_size), overwrite=True,
+              progress=False, side_texts=side)
 
 
 # ---- EXL3 checkpoints (quant_method "exl3", as exllamav3 and `exl3rt quantize` write them) ----------------------
@@ -429,7 +432,12 @@ class Exl3CheckpointConfig(QuantizationConfigMixin):
 class Exl3CheckpointQuantizer(_Exl3Quantizer):
     """Loads an EXL3 checkpoint into ``Exl3Linear`` / EXL3 expert modules: nothing is encoded.
 
-    Before loading (model on meta), the checkpoint's headers say which linears are EXL3: each such
+    Before the model is built, a checkpoint in a local directory gets every check of
+    :func:`exl3rt.format.validate.validate_checkpoint` (headers, config.json against the tensors, the values): a
+    config that would build a model far larger than its weights, a mislabelled dtype or a NaN is refused before
+    anything is allocated (otherwise, e.g. for a Hub ID, the same checks run once transformers names the files).
+    Before loading (model on meta), every stored tensor's shape is compared with the model's, and the checkpoint's
+    headers say which linears are EXL3: each such
     ``nn.Linear`` becomes an :class:`Exl3Linear` placeholder, each fused experts module whose experts are
     stored per expert (``<experts>.{e}.gate_proj``) an :class:`Exl3Experts` of them. Their buffers are named
     as the checkpoint's tensors, so transformers fills them as they are (int16 trellis, fp16 scales); the
@@ -447,11 +455,22 @@ class Exl3CheckpointQuantizer(_Exl3Quantizer):
         self.bias_dtype: dict[str, torch.dtype] = {}    # linears with a stored bias -> the model's dtype
         self.moe: dict[str, str] = {}
 
+    def update_attn_implementation(self, config: Any) -> Any:
+        # the one hook transformers calls with the model's config before it builds the model (``cls(config)``)
+        where = getattr(config, "_name_or_path", None)
+        if where and (Path(where) / CONFIG_NAME).is_file():
+            self.ckpt = validate_checkpoint(where, data=True)
+        return super().update_attn_implementation(config)
+
     def _process_model_before_weight_loading(self, model: nn.Module, checkpoint_files: Any = None,
                                              **kwargs: Any) -> nn.Module:
         if not checkpoint_files:
             raise ValueError("exl3rt: an EXL3 checkpoint loads from its safetensors files; none were given")
-        self.ckpt = ckpt = Exl3Checkpoint(Path(checkpoint_files[0]).parent)
+        root = Path(checkpoint_files[0]).parent
+        if self.ckpt is None or self.ckpt.root.resolve() != root.resolve():
+            self.ckpt = validate_checkpoint(root, data=True)
+        ckpt = self.ckpt
+        _check_shapes(model, ckpt)
         if ckpt.tables:
             raise FormatError(f"{ckpt.tables[0]}.trellis: a quantized table (exllamav3's --embed_bits), which exl3rt "
                               f"does not load; convert with --embed_bits 16 (exllamav3's default)")
@@ -526,7 +545,8 @@ class Exl3CheckpointQuantizer(_Exl3Quantizer):
 def plan_checkpoint_load(path: str | os.PathLike[str]) -> dict[str, Any]:
     """What ``from_pretrained(path)`` of the EXL3 checkpoint at ``path`` will build, without reading a weight:
     the model is made on the meta device and given the loader's placeholders, so every check the loader makes
-    before reading (widths, missing or unknown tensors, codebook markers) runs here too.
+    before reading runs here too (headers and config.json, :func:`~exl3rt.format.validate.validate_checkpoint`;
+    shapes against the model, missing or unknown tensors, codebook markers), except the scan of the values.
 
     Returns ``architecture``, ``linears`` (Exl3Linear names), ``experts`` (Exl3Experts name -> experts),
     ``head`` (K of a quantized head, or None), ``dense`` (linears left unquantized), ``other`` (name -> dtype and
@@ -534,8 +554,10 @@ def plan_checkpoint_load(path: str | os.PathLike[str]) -> dict[str, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
+    ckpt = validate_checkpoint(path, data=False)     # before the model is built from config.json
     config = AutoConfig.from_pretrained(str(path))
     quantizer = Exl3CheckpointQuantizer(Exl3CheckpointConfig(**(getattr(config, "quantization_config", None) or {})))
+    quantizer.ckpt = ckpt
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     quantizer._process_model_before_weight_loading(model, checkpoint_files=[str(path / "config.json")])
@@ -585,6 +607,19 @@ def _check_complete(model: nn.Module, ckpt: Exl3Checkpoint) -> None:
         if _LAYER_INDEX.sub(".#.", name) in patterns:
             raise FormatError(f"{name}: missing from {ckpt.path}, which stores it for other layers; the checkpoint "
                               f"is incomplete (download or convert it again)")
+
+
+def _check_shapes(model: nn.Module, ckpt: Exl3Checkpoint) -> None:
+    """Every stored tensor that is not part of an EXL3 linear has the shape of the model's tensor of that name (on
+    meta: the model config.json builds); transformers would otherwise stop with its own error at the first mismatch
+    or, asked to ignore mismatches, initialise the tensor at random. EXL3 widths: :func:`_check_widths`."""
+    want = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    for name in ckpt.other_tensor_names():
+        info = ckpt.tensor_info(name)
+        if name in want and tuple(info.shape) != want[name]:
+            raise FormatError(f"{name}: shape {list(info.shape)} in {ckpt.root / info.file}, but the model config.json "
+                              f"describes ({type(model).__name__}) has {list(want[name])}; the checkpoint and its "
+                              f"config.json disagree (use the checkpoint's own config.json)")
 
 
 def _check_widths(info: LinearInfo, in_f: int, out_f: int) -> None:

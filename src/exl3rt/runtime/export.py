@@ -52,13 +52,34 @@ def _config_dict(model: nn.Module) -> dict[str, Any]:
     return out
 
 
+def _protected(model: nn.Module) -> dict[str, Any]:
+    """What the output directory may not overlap: the local directory the model was loaded from (its weights may
+    be the very files a save would replace) and the encoding cache root."""
+    from ..cache.modes import default_cache_root
+
+    out: dict[str, Any] = {"the encoding cache": default_cache_root()}
+    for source in {getattr(model, "name_or_path", None), getattr(getattr(model, "config", None), "_name_or_path", None)}:
+        if source and os.path.isdir(str(source)):
+            out["the directory the model was loaded from"] = source
+    quantizer = getattr(model, "hf_quantizer", None)
+    root = getattr(getattr(quantizer, "config", None), "cache_dir", None)
+    if root:
+        out["the model's encoding cache"] = root
+    return out
+
+
 def save_exl3(model: nn.Module, out_dir: str | os.PathLike[str], *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-              overwrite: bool = False, progress: bool = True, config: Optional[dict[str, Any]] = None) -> Path:
+              overwrite: bool = False, progress: bool = True, config: Optional[dict[str, Any]] = None,
+              side_texts: Optional[dict[str, str]] = None) -> Path:
     """Write ``model`` (its linears :class:`Exl3Linear`) as an EXL3 checkpoint in ``out_dir``; return it.
 
     ``config`` replaces ``model.config.to_dict()`` (the config.json body; its ``quantization_config`` is
-    always the checkpoint's own). Tensors tied to one another (a tied embedding and head) are stored once,
-    under the first name. Nothing is left in ``out_dir`` if anything fails before the end.
+    always the checkpoint's own). ``side_texts``: files written beside it (name -> text, e.g. the generation
+    config). Tensors tied to one another (a tied embedding and head) are stored once, under the first name.
+    Nothing is left in ``out_dir`` if anything fails before the end. ``out_dir`` may not be or overlap the
+    directory the model was loaded from or the encoding cache; it must be new or empty unless ``overwrite``, and
+    with ``overwrite`` only checkpoint files (and those of an earlier exl3rt write) are replaced or removed
+    (:mod:`exl3rt.format.output`).
     """
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Exl3Linear)}
     _check_model(model, linears)
@@ -80,7 +101,8 @@ def save_exl3(model: nn.Module, out_dir: str | os.PathLike[str], *, max_shard_by
         plain[key] = t
     head = next((n for n in linears if n.rsplit(".", 1)[-1] == "lm_head"), "lm_head")
     with Progress(len(linears) + len(plain), "writing EXL3 checkpoint", enabled=progress) as bar, \
-            CheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite) as w:
+            CheckpointWriter(out_dir, max_shard_bytes=max_shard_bytes, overwrite=overwrite, protect=_protected(model),
+                             writes=tuple(side_texts or ())) as w:
         for name, m in linears.items():
             enc = m.encoded()
             if getattr(m, "bias", None) is not None:    # stored fp16 at the padded width, as the format says
@@ -92,5 +114,7 @@ def save_exl3(model: nn.Module, out_dir: str | os.PathLike[str], *, max_shard_by
         for key, t in plain.items():
             w.add_tensor(key, t)
             bar.update()
+        for name, text in (side_texts or {}).items():
+            w.add_text(name, text)
         source = card_source(getattr(getattr(model, "config", None), "_name_or_path", None))
         return w.finish(body, head_name=head, source=source)

@@ -64,11 +64,15 @@ def temp_files(directory: str | os.PathLike[str], *, min_age: float = 0.0) -> li
     return sorted(found)
 
 
-def sweep_temp_files(directory: str | os.PathLike[str], *, min_age: float = 0.0) -> int:
-    """Remove :func:`temp_files` of ``directory``; returns how many were removed. Call it only where no
-    live writer can own them (under the directory's lock, or with a ``min_age`` no write lasts)."""
+def sweep_temp_files(directory: str | os.PathLike[str], *, min_age: float = 0.0,
+                     owned: Optional[Callable[[str], bool]] = None) -> int:
+    """Remove :func:`temp_files` of ``directory`` (only those made for a target name ``owned`` accepts, when
+    given); returns how many were removed. Call it only where no live writer can own them (under the directory's
+    lock, or with a ``min_age`` no write lasts)."""
     removed = 0
     for p in temp_files(directory, min_age=min_age):
+        if owned is not None and not owned(temp_target(p.name) or ""):
+            continue
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
             removed += 1
@@ -114,10 +118,53 @@ def atomic_path(target: str | os.PathLike[str], *, mode: Optional[int] = None) -
         fsync_file(tmp_path)
         os.replace(tmp_path, target)
         fsync_dir(target.parent)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp_path.unlink()
+        if isinstance(exc, OSError) and not exc.filename and exc.errno is not None:
+            # a full disk or a quota says only "[Errno 28] No space left on device": name the file it was writing
+            raise OSError(exc.errno, exc.strerror or str(exc), str(target)) from exc
         raise
+
+
+class DirectoryLock:
+    """An exclusive lock on a directory itself (``flock`` on its descriptor: no lock file is left in it), held
+    from :meth:`acquire` to :meth:`release`. Where the platform or file system has no such lock it holds nothing.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> bool:
+        """Take the lock; False where it cannot exist here. Raises ``BlockingIOError`` at once when another
+        process holds it."""
+        try:
+            import fcntl
+        except ImportError:     # not POSIX
+            return False
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise
+        except OSError:         # a file system without flock
+            os.close(fd)
+            return False
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.release()
 
 
 def atomic_write(target: str | os.PathLike[str], writer: Callable[[Path], None]) -> None:

@@ -1,9 +1,13 @@
 """A set of safetensors files read lazily: a model directory (with or without an index) or one file.
 
 A directory's files are those its index names, else ``model.safetensors`` alone when it exists, else every
-``*.safetensors`` in it.
+``*.safetensors`` in it. Every tensor of every one of those files is listed, as transformers and vLLM load them:
+a tensor stored in two files is an error naming both, even when the index names only one of them (the loaders
+would read the other copy). A directory holding both ``model.safetensors`` and an index that names other files is
+refused too: transformers reads ``model.safetensors``, an index reader the shards.
 
-Only headers are read at open; each tensor is memory-mapped and read on request.
+Only headers are read at open; each tensor is memory-mapped and read on request (:meth:`TensorFiles.chunks` reads
+one in bounded pieces).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -23,8 +27,11 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
+#: bytes per element of each safetensors dtype label
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
                 "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+#: the floating-point safetensors dtypes (their values can be NaN or inf)
+FLOAT_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F16", "BF16", "F32", "F64"})
 
 
 class TensorFileError(ValueError):
@@ -117,6 +124,9 @@ class TensorFiles:
         if not self.path.exists():
             raise TensorFileError(f"{self.path}: no such file or directory")
         self.config: Optional[dict[str, Any]] = None
+        #: where the file list came from: the index, ``model.safetensors`` alone, or None (every ``*.safetensors`` of
+        #: the directory, or the one file given)
+        self.source: Optional[str] = None
         if self.path.is_dir():
             self.root = self.path
             if (self.path / CONFIG_NAME).exists():
@@ -127,7 +137,9 @@ class TensorFiles:
                 raise TensorFileError(f"{self.path}: expected a model directory or a .safetensors file")
             self.root = self.path.parent
             files = {self.path.name: None}
+        self.file_names: list[str] = list(files)
         self._handles: dict[str, Any] = {}
+        self._expected: dict[str, Optional[set[str]]] = {}
         self._tensors: dict[str, TensorInfo] = {}
         for fname, expected in files.items():
             self._read_header(fname, expected)
@@ -147,9 +159,17 @@ class TensorFiles:
             for fname in files:
                 if not (self.path / fname).is_file():
                     raise TensorFileError(f"{index_path}: shard {fname!r} is listed but missing from {self.path}")
+            if (self.path / SINGLE_NAME).is_file() and set(files) != {SINGLE_NAME}:
+                # transformers prefers model.safetensors, this reader the index: two models in one directory
+                other = sorted(set(files) - {SINGLE_NAME}, key=natural_key)
+                raise TensorFileError(f"{self.path}: holds both {SINGLE_NAME} and {INDEX_NAME}, which names other "
+                                      f"shards ({other[0]}{', ...' if len(other) > 1 else ''}); transformers would "
+                                      f"load {SINGLE_NAME}, exl3rt the index: remove the one that is not this model")
+            self.source = INDEX_NAME
             return files
         if (self.path / SINGLE_NAME).is_file():
             # as transformers reads it: other safetensors beside it are not the model's
+            self.source = SINGLE_NAME
             return {SINGLE_NAME: None}
         found = sorted(p.name for p in self.path.glob("*.safetensors"))
         if not found:
@@ -166,19 +186,29 @@ class TensorFiles:
                 raise TensorFileError(cut) from None
             raise TensorFileError(f"{fpath}: not a readable safetensors file ({exc})") from None
         self._handles[fname] = handle
+        self._expected[fname] = expected
         keys = set(handle.keys())
         if expected is not None and not expected <= keys:
             missing = sorted(expected - keys, key=natural_key)
             raise TensorFileError(f"{missing[0]}: missing from {fpath}, where {INDEX_NAME} places it "
                                   f"({len(missing)} tensor(s) missing); the checkpoint is incomplete (download or "
                                   f"copy it again)")
-        for name in keys:
-            if expected is not None and name not in expected:
-                continue  # not this shard's per the index
+        for name in sorted(keys, key=natural_key):
+            # every tensor of the file counts, whatever the index says: transformers and vLLM load them all
             if name in self._tensors:
-                raise TensorFileError(f"{name}: stored twice ({self._tensors[name].file} and {fname})")
+                first = self._tensors[name].file
+                where = self._index_note(name, first, fname)
+                raise TensorFileError(f"{name}: stored twice, in {self.root / first} and in {fpath}{where}; a tensor "
+                                      f"must be in exactly one shard (a loader may read either copy): remove the "
+                                      f"stale copy, or download or copy the checkpoint again")
             sl = handle.get_slice(name)
             self._tensors[name] = TensorInfo(name, fname, sl.get_dtype(), tuple(sl.get_shape()))
+
+    def _index_note(self, name: str, *files: str) -> str:
+        if self.source != INDEX_NAME:
+            return ""
+        named = [f for f in files if name in (self._expected.get(f) or ())]
+        return f" ({INDEX_NAME} names {named[0]})" if named else ""
 
     def names(self) -> list[str]:
         return sorted(self._tensors, key=natural_key)
@@ -195,3 +225,17 @@ class TensorFiles:
     def tensor(self, name: str) -> torch.Tensor:
         """Load one tensor (memory-mapped read of just that tensor)."""
         return self._handles[self.info(name).file].get_tensor(name)
+
+    def chunks(self, name: str, max_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
+        """Tensor ``name`` in consecutive slices along its first dimension, each at most ``max_bytes`` (or one row),
+        so that a scan of a large tensor holds one slice at a time."""
+        info = self.info(name)
+        handle = self._handles[info.file]
+        if not info.shape or info.numel == 0:
+            yield handle.get_tensor(name)
+            return
+        rows = info.shape[0]
+        step = max(1, max_bytes // max(1, info.nbytes // rows))
+        sl = handle.get_slice(name)
+        for start in range(0, rows, step):
+            yield sl[start:start + step]

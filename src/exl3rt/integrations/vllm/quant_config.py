@@ -18,7 +18,8 @@ from ...runtime.config import Exl3Config
 from ...runtime.policy import is_embedding_name, is_router_name
 from ._compat import (LinearBase, ParallelLMHead, QuantizationConfig, QuantizeMethodBase, RoutedExperts,
                       UnquantizedLinearMethod, WeightsMapper)
-from .settings import guess_mode, head_is_exl3, hf_config_dict, online_config, requested_mode, stored_linears
+from .settings import (guess_mode, head_is_exl3, hf_config_dict, online_config, requested_mode, stored_linears,
+                       validate_stored)
 from .shards import ShardError, shard_names
 
 log = logging.getLogger("exl3rt.vllm")
@@ -93,9 +94,13 @@ class Exl3VllmConfig(QuantizationConfig):
         return None
 
     def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: Optional[str] = None) -> None:
-        """Look at the checkpoint: stored ``*.trellis`` tensors mean checkpoint mode, none mean online."""
+        """Look at the checkpoint: stored ``*.trellis`` tensors mean checkpoint mode, none mean online. In checkpoint
+        mode the checkpoint gets the checks every EXL3 loader shares (``settings.validate_stored``) before vLLM
+        builds the model."""
         stored = stored_linears(model_name)
         if stored is None:
+            if self.mode == "checkpoint":
+                validate_stored(model_name)  # a local directory whose files could not be listed: why, in one line
             return  # not a local directory: keep the mode the dict implies
         forced = requested_mode(self.raw)
         mode = forced or ("checkpoint" if stored else "online")
@@ -108,6 +113,7 @@ class Exl3VllmConfig(QuantizationConfig):
         self.mode, self.stored = mode, stored
         self.model_dir = str(model_name)
         if mode == "checkpoint":
+            validate_stored(model_name)
             from ...moe.rank_checkpoint import METADATA_KEY, read_rank_metadata
 
             qc = (hf_config_dict(model_name) or {}).get("quantization_config")

@@ -80,6 +80,31 @@ def stored_linears(model_dir: str | os.PathLike[str]) -> Optional[set[str]]:
     return {n[: -len(".trellis")] for n in names if n.endswith(".trellis")}
 
 
+def validate_stored(model_dir: str | os.PathLike[str]) -> None:
+    """Checkpoint mode, before vLLM builds the model: the checks every EXL3 loader shares
+    (:func:`exl3rt.format.validate.validate_checkpoint`: headers, config.json against the tensors, the values), a
+    :class:`~exl3rt.format.errors.FormatError` naming the tensor or file otherwise. A rank-sliced MoE checkpoint gets
+    the checks that do not depend on its per-rank expert layout (``load_rank_sliced`` checks those). Nothing for a
+    model that is not a local directory (vLLM reads it from the Hub)."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        return
+    from ...format.errors import FormatError
+    from ...format.validate import validate_checkpoint, validate_model
+    from ...moe.rank_checkpoint import METADATA_KEY
+    from ...util.tensorfiles import TensorFileError, TensorFiles
+
+    try:
+        files = TensorFiles(path)
+    except TensorFileError as exc:
+        raise FormatError(str(exc)) from None
+    qc = (files.config or {}).get("quantization_config")
+    if isinstance(qc, Mapping) and METADATA_KEY in qc:
+        validate_model(files, data=True)
+    else:
+        validate_checkpoint(path, data=True)
+
+
 def head_is_exl3(prefix: str, stored: Optional[set[str]], raw: Mapping[str, Any]) -> bool:
     """Whether the checkpoint stores head ``prefix`` (vLLM's ``ParallelLMHead``) as EXL3 codes.
 
@@ -106,4 +131,4 @@ def hf_config_dict(model_dir: str | os.PathLike[str]) -> Optional[dict[str, Any]
 
 
 __all__ = ["MODES", "requested_mode", "guess_mode", "head_is_exl3", "hf_config_dict", "online_config",
-           "stored_linears"]
+           "stored_linears", "validate_stored"]
