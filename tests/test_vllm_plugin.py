@@ -623,3 +623,53 @@ def test_block_cover_pieces_give_the_rank_its_block_of_the_product(bounds):
     xp = torch.nn.functional.pad(x, (i_lead, cover.in_features - i_lead - i_n))
     got = (xp @ enc.reconstruct(dtype=torch.float64))[:, o_lead: o_lead + o_n]
     torch.testing.assert_close(got, x @ w[c0:c1, r0:r1], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("case", ["whole", "rank windows", "narrow shard"])
+def test_a_layers_shards_run_as_one_fused_call(case, monkeypatch):
+    """``fuse_layer`` (on CUDA in serving; the CPU path of the same op here): q/k/v-like shards of one K run as one
+    ``fused_linear`` call whose columns (rank windows inside them) equal the float64 reconstruction and the unfused
+    forward; with every shard whole and 128-aligned the op's output is returned as it is. Input windows (a
+    row-parallel split) are not fused."""
+    from torch import nn
+
+    import exl3rt.integrations.vllm.forward as fwd
+    from exl3rt.format.encoded import EncodedLinear
+    from exl3rt.runtime.linear import Exl3Linear
+
+    outs = {"whole": [256, 128, 128], "rank windows": [256, 128, 384], "narrow shard": [256, 100, 128]}[case]
+    windows = [((0, 256), (0, 256)), ((16, 100), (0, 256)), ((128, 200), (0, 256))] if case == "rank windows" else None
+    mods, want = [], []
+    for j, o in enumerate(outs):
+        trellis, suh, svh = _random_codes(256, -(-o // 128) * 128, k=3, seed=30 + j)
+        enc = EncodedLinear(trellis=trellis, suh=suh, svh=svh, codebook="mcg", in_features=256, out_features=o,
+                            name=f"s{j}")
+        mods.append(Exl3Linear.from_encoded(enc, name=f"s{j}", dequant_cache=False))
+        w = enc.reconstruct(dtype=torch.float64)[:, :o]
+        if windows is not None:
+            (ol, on), _ = windows[j]
+            w = w[:, ol: ol + on]
+        want.append(w)
+    layer = nn.Module()
+    layer.exl3 = nn.ModuleList(mods)
+    if windows is not None:
+        layer.exl3_windows = windows
+    x = torch.randn(3, 256, dtype=torch.float64)
+    unfused = fwd.exl3_apply(layer, x.float())
+    calls = []
+    real = fwd.call_fused_linear
+    monkeypatch.setattr(fwd, "call_fused_linear", lambda *a: calls.append(1) or real(*a))
+    assert fwd.fuse_layer(layer, devices=("cpu",)) and layer.exl3_group is not None
+    bias = torch.arange(unfused.shape[-1], dtype=torch.float32)
+    y = fwd.exl3_apply(layer, x.float(), bias)
+    assert len(calls) == 1
+    torch.testing.assert_close(y.double() - bias.double(), x @ torch.cat(want, dim=1), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(y - bias, unfused, rtol=1e-5, atol=1e-4)
+    if case == "whole":
+        assert fwd.exl3_apply(layer, x.float()).shape == (3, 512)
+    row_parallel = nn.Module()
+    row_parallel.exl3 = nn.ModuleList([Exl3Linear.from_encoded(EncodedLinear(*_random_codes(256, 128, k=3, seed=j),
+                                                                             codebook="mcg", in_features=256,
+                                                                             out_features=128)) for j in (1, 2)])
+    row_parallel.exl3_windows = [((0, 128), (32, 200))] * 2
+    assert not fwd.fuse_layer(row_parallel, devices=("cpu",))

@@ -123,6 +123,14 @@ def _fusable(members: list, devices: tuple) -> bool:
                and not m.dequant_cache and m.trellis.is_contiguous() for m in members)
 
 
+def fuse_group(members: list, devices: tuple[str, ...] = ("cuda",)) -> Optional[FusedLinears]:
+    """Fuse ``members`` (sibling :class:`Exl3Linear` of one input) into one :class:`FusedLinears`, or None where they
+    cannot be (another K, codebook, input width or device; a device type not in ``devices``; fewer than two)."""
+    if len(members) < 2 or not _fusable(list(members), tuple(devices)):
+        return None
+    return FusedLinears(list(members))
+
+
 def fuse_linears(model: nn.Module, groups: Iterable[tuple[str, ...]] = FUSABLE_GROUPS,
                  devices: tuple[str, ...] = ("cuda",), mlps: bool = True) -> int:
     """Fuse every group of sibling :class:`Exl3Linear` named in ``groups`` (default :data:`FUSABLE_GROUPS`) that

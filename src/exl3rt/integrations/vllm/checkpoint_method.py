@@ -26,7 +26,7 @@ from ...format.errors import FormatError
 from ...runtime.linear import Exl3Linear
 from ._compat import LinearMethodBase, set_weight_attrs
 from .dense import use_dense_gemm
-from .forward import exl3_apply, exl3_head_apply, warm_layer_kernels
+from .forward import exl3_apply, exl3_head_apply, fuse_layer, warm_layer_kernels
 from .layout import plan_shards
 from .shards import block_cover, check_block_aligned, head_shard
 from .slicing import rank_piece
@@ -115,6 +115,7 @@ class Exl3CheckpointLinearMethod(LinearMethodBase):
         del layer.exl3_parts
         # compile every kernel specialization now: vLLM's profile run and CUDA-graph capture follow
         dtype = getattr(layer, "exl3_act_dtype", torch.get_default_dtype())
+        fuse_layer(layer)             # CUDA: q/k/v or gate/up as one EXL3 call
         warm_layer_kernels(layer, dtype, self.quant_config.linear_warmed)
         # CPU: the decoded product through vLLM's own GEMM (a head's padded vocab rows as zero rows: logit 0)
         use_dense_gemm(layer, dtype, getattr(layer, "exl3_width", None))

@@ -3,6 +3,11 @@
 Pure torch (no vLLM import). ``Exl3Linear`` picks the path: CPU reference (dequantize once, keep,
 matmul) or CUDA (exl3rt's Triton kernels). Concatenating ``[x·W_q, x·W_k, x·W_v]`` is exactly the fused
 ``x·[W_q W_k W_v]`` vLLM expects, and each product is the one the transformers path computes.
+
+On CUDA a layer of several shards with one K and codebook (q/k/v, gate/up) runs as one EXL3 call
+(:func:`fuse_layer`: the shards' codes joined as :class:`~exl3rt.runtime.fusion.FusedLinears` does for transformers):
+one ``exl3rt::fused_linear`` op whose output, where every shard is a multiple of 128 wide and the rank takes it
+whole, already is vLLM's concatenation.
 """
 
 from __future__ import annotations
@@ -11,6 +16,9 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+from ...kernels.ops import call_fused_linear
+from ...runtime.fusion import fuse_group
 
 
 def exl3_apply(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -23,6 +31,10 @@ def exl3_apply(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] =
         raise RuntimeError(f"{getattr(layer, 'prefix', type(layer).__name__)}: EXL3 layer used before its weights were "
                            f"processed (process_weights_after_loading did not run)")
     windows = getattr(layer, "exl3_windows", None)   # per module: (out lead, width), (in lead, width)
+    group = getattr(layer, "exl3_group", None)
+    if group is not None:
+        y = _fused_apply(group, x, windows)
+        return y if bias is None else y + bias.to(y.dtype)
     outs = []
     for j, m in enumerate(mods):
         if windows is None:
@@ -40,6 +52,38 @@ def exl3_apply(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] =
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y
+
+
+def _fused_apply(group, x: torch.Tensor, windows) -> torch.Tensor:
+    """The shards' outputs from one fused call: each shard's columns (its rank window inside them), concatenated
+    (no copy where they are the whole fused output in order). Shards of one layer share the input, so a window
+    here is only ever on the output side."""
+    out = call_fused_linear(x, group.trellis, group.suh, group.svh, group.codebook, group.bounds)
+    spans = []
+    for j, (a, b) in enumerate(group.columns):
+        if windows is not None:
+            (o_lead, o_n), _ = windows[j]
+            a, b = a + o_lead, a + o_lead + o_n
+        spans.append((a, b))
+    if all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1)):
+        a, b = spans[0][0], spans[-1][1]
+        return out if (a, b) == (0, out.shape[-1]) else out[..., a:b]
+    return torch.cat([out[..., a:b] for a, b in spans], dim=-1)
+
+
+def fuse_layer(layer: nn.Module, devices: tuple[str, ...] = ("cuda",)) -> bool:
+    """Run ``layer``'s shards (q/k/v, gate/up) as one fused EXL3 call where they can be (:func:`~exl3rt.runtime.
+    fusion.fuse_group`: one K, codebook and device, a device type in ``devices``; the input taken whole); returns
+    whether it did. Call before :func:`warm_layer_kernels`, which then compiles the fused specialization."""
+    mods = list(getattr(layer, "exl3", ()))
+    windows = getattr(layer, "exl3_windows", None)
+    if windows is not None and any(i_win != (0, m.in_features) for m, (_, i_win) in zip(mods, windows)):
+        return False
+    group = fuse_group(mods, devices)
+    if group is None:
+        return False
+    layer.exl3_group = group
+    return True
 
 
 def dense_weight(layer: nn.Module, dtype: torch.dtype, rows: Optional[int] = None) -> Optional[torch.Tensor]:
@@ -98,4 +142,4 @@ def exl3_head_apply(layer: nn.Module, x: torch.Tensor, width: int,
     return y
 
 
-__all__ = ["dense_weight", "exl3_apply", "exl3_head_apply", "warm_layer_kernels"]
+__all__ = ["dense_weight", "exl3_apply", "exl3_head_apply", "fuse_layer", "warm_layer_kernels"]

@@ -21,7 +21,7 @@ from ...runtime.linear import Exl3Linear
 from ._compat import LinearMethodBase, ModelWeightParameter, initialize_online_processing
 from .layout import plan_shards
 from .dense import use_dense_gemm
-from .forward import exl3_apply, warm_layer_kernels
+from .forward import exl3_apply, fuse_layer, warm_layer_kernels
 
 if TYPE_CHECKING:
     from .quant_config import Exl3VllmConfig
@@ -69,6 +69,7 @@ class Exl3OnlineLinearMethod(LinearMethodBase):
         layer.exl3 = nn.ModuleList(modules)
         self.quant_config.encoded(w.numel(), self.prefix)
         # compile every kernel specialization now: vLLM's profile run and CUDA-graph capture follow
+        fuse_layer(layer)             # CUDA: q/k/v or gate/up as one EXL3 call
         warm_layer_kernels(layer, w.dtype, self.quant_config.linear_warmed)
         layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
         use_dense_gemm(layer, w.dtype)           # CPU: the decoded product through vLLM's own GEMM
