@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import commit, write_json
+from common import answer_child, commit, run_json_child, write_json
 
 MODES = (("bf16", "eager"), ("bf16", "compiled"), ("exl3", "eager"), ("exl3", "compiled"))
 
@@ -77,13 +74,7 @@ def child(spec: dict) -> dict:
 
 
 def run_child(spec: dict, env: dict) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                         env=env, timeout=3600)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if out.returncode or not lines:
-        raise RuntimeError(f"{spec['weights']} {spec['mode']} start failed (exit {out.returncode}):\n"
-                           f"{out.stdout[-2000:]}\n{out.stderr[-6000:]}")
-    return json.loads(lines[-1])
+    return run_json_child(__file__, spec, f"{spec['weights']} {spec['mode']} start", env)
 
 
 def default_model() -> Path:
@@ -114,9 +105,7 @@ def main() -> None:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(json.loads(args.child))), flush=True)
-        sys.stdout.flush()
-        os._exit(0)                                        # skip vLLM's slow interpreter teardown
+        answer_child(child, args.child)
 
     model = Path(args.model) if args.model else default_model()
     work = Path(tempfile.mkdtemp(prefix="exl3rt-vllm-bench-"))

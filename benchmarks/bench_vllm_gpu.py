@@ -30,13 +30,12 @@ import argparse
 import datetime as dt
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import commit, write_json  # noqa: E402
+from common import answer_child, commit, run_json_child, write_json  # noqa: E402
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
          "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -183,13 +182,7 @@ def child(spec: dict) -> dict:
 
 
 def run_child(spec: dict) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                         timeout=3600)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if out.returncode or not lines:
-        raise RuntimeError(f"{spec['label']} failed (exit {out.returncode}):\n{out.stdout[-2000:]}\n"
-                           f"{out.stderr[-6000:]}")
-    return json.loads(lines[-1])
+    return run_json_child(__file__, spec, spec["label"])
 
 
 def main() -> None:
@@ -212,9 +205,7 @@ def main() -> None:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(json.loads(args.child))), flush=True)
-        sys.stdout.flush()
-        os._exit(0)                                        # skip vLLM's slow interpreter teardown
+        answer_child(child, args.child)
 
     cfg, layers = (LLAMA, args.layers) if args.model == "llama" else (MOE, args.moe_layers)
     work = Path(args.work)

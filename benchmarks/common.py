@@ -62,3 +62,28 @@ def finish_tp_check(args, rows: list, ok: bool, summary: str) -> int:
     write_json(args.json, {"commit": commit(), "device": device, "backend": args.backend, "tp": args.tp,
                            "torch": torch.__version__, "config": vars(args), "rows": rows, "ok": ok})
     return 0 if ok else 1
+
+
+def run_json_child(script: str, spec: dict[str, Any], what: str, env: dict[str, str] | None = None,
+                   timeout: float = 3600) -> dict[str, Any]:
+    """Run ``script --child <spec as JSON>`` in a fresh interpreter and return the JSON object it printed last
+    (a line starting with ``{``); ``what`` names the start in the error when it fails."""
+    import sys
+
+    out = subprocess.run([sys.executable, script, "--child", json.dumps(spec)], capture_output=True, text=True,
+                         env=env, timeout=timeout)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"{what} failed (exit {out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-6000:]}")
+    return json.loads(lines[-1])
+
+
+def answer_child(fn, spec_json: str) -> None:
+    """The ``--child`` side of :func:`run_json_child`: print ``fn(spec)`` as JSON and leave at once (vLLM's
+    interpreter teardown is slow and can hang)."""
+    import os
+    import sys
+
+    print(json.dumps(fn(json.loads(spec_json))), flush=True)
+    sys.stdout.flush()
+    os._exit(0)

@@ -22,15 +22,12 @@ import os
 import signal
 import stat
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-def child_main(src: str, out: str, bits: int, kill_at: int, scratch: str, fake: bool) -> None:
-    """The child process: the conversion with its write points numbered (see the module docstring)."""
-    import shutil
-    import zlib
-
-    import exl3rt.convert.run as run_mod
-    import exl3rt.format.checkpoint_write as cw
+def numbered_write_points(kill_at: int, writers: list) -> tuple[list[str], Callable[..., None]]:
+    """Wrap the write primitives (``write_safetensors`` in each module of ``writers``, ``fs.fsync_file``,
+    ``os.replace``) so that each call is a numbered event (module docstring), SIGKILLing this process at event
+    ``kill_at``; returns the event list and the function that records one more."""
     import exl3rt.util.fs as fs
     import exl3rt.util.safetensors_io as sio
 
@@ -41,7 +38,7 @@ def child_main(src: str, out: str, bits: int, kill_at: int, scratch: str, fake: 
         if len(events) - 1 == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    real_write, real_fsync, real_replace, real_rmtree = sio.write_safetensors, fs.fsync_file, os.replace, shutil.rmtree
+    real_write, real_fsync, real_replace = sio.write_safetensors, fs.fsync_file, os.replace
 
     def write(path, tensors, metadata=None):
         size = real_write(path, tensors, metadata)
@@ -59,6 +56,23 @@ def child_main(src: str, out: str, bits: int, kill_at: int, scratch: str, fake: 
         real_replace(a, b)
         event("renamed", b)
 
+    for module in writers:
+        module.write_safetensors = write
+    fs.fsync_file, os.replace = fsync, replace
+    return events, event
+
+
+def child_main(src: str, out: str, bits: int, kill_at: int, scratch: str, fake: bool) -> None:
+    """The child process: the conversion with its write points numbered (see the module docstring)."""
+    import shutil
+    import zlib
+
+    import exl3rt.convert.run as run_mod
+    import exl3rt.format.checkpoint_write as cw
+
+    events, event = numbered_write_points(kill_at, [run_mod, cw])
+    real_rmtree = shutil.rmtree
+
     def rmtree(path, *a, **k):
         real_rmtree(path, *a, **k)
         if Path(path).name == "layers":
@@ -73,9 +87,6 @@ def child_main(src: str, out: str, bits: int, kill_at: int, scratch: str, fake: 
             return lin
         run_mod.quantize_weight = quantize_weight
 
-    run_mod.write_safetensors = cw.write_safetensors = write
-    fs.fsync_file = fsync
-    os.replace = replace
     run_mod.shutil.rmtree = rmtree
     summary = run_mod.convert_checkpoint(src, out, bits=bits, progress=False)
     Path(scratch, "events.json").write_text(json.dumps(events))

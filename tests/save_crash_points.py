@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
-import signal
 from pathlib import Path
 from typing import Optional
 
@@ -54,35 +52,10 @@ def tiny_model():
 
 def child_main(out: str, kill_at: int, scratch: str) -> None:
     import exl3rt.format.checkpoint_write as cw
-    import exl3rt.util.fs as fs
+    from crash_points import numbered_write_points
     from exl3rt.runtime.export import save_exl3
 
-    events: list[str] = []
-
-    def event(kind: str, path: str) -> None:
-        events.append(f"{kind} {Path(path).name}")
-        if len(events) - 1 == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    real_write, real_fsync, real_replace = cw.write_safetensors, fs.fsync_file, os.replace
-
-    def write(path, tensors, metadata=None):
-        size = real_write(path, tensors, metadata)
-        if len(events) == kill_at:
-            with open(path, "r+b") as f:      # torn, as a kill in the middle of the write leaves it
-                f.truncate(size // 2)
-        event("mid-write", path)
-        return size
-
-    def fsync(path):
-        event("written", path)
-        return real_fsync(path)
-
-    def replace(a, b):
-        real_replace(a, b)
-        event("renamed", b)
-
-    cw.write_safetensors, fs.fsync_file, os.replace = write, fsync, replace
+    events, _ = numbered_write_points(kill_at, [cw])
     save_exl3(tiny_model(), out, max_shard_bytes=SHARD_BYTES, overwrite=True, progress=False,
               side_texts={"generation_config.json": '{"do_sample": false}\n'})
     Path(scratch, "events.json").write_text(json.dumps(events))
@@ -90,7 +63,7 @@ def child_main(out: str, kill_at: int, scratch: str) -> None:
 
 def run_child(out: Path, kill_at: Optional[int], scratch: Path) -> tuple[int, list[str]]:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["save_crash_points", "exl3rt.runtime.export", "exl3rt.format.random"])
+    ctx.set_forkserver_preload(["save_crash_points", "crash_points", "exl3rt.runtime.export", "exl3rt.format.random"])
     events_file = scratch / "events.json"
     events_file.unlink(missing_ok=True)
     proc = ctx.Process(target=child_main, args=(str(out), -1 if kill_at is None else kill_at, str(scratch)))

@@ -11,7 +11,6 @@ import errno
 import json
 import os
 import shutil
-import stat
 import zlib
 from pathlib import Path
 
@@ -29,18 +28,7 @@ from exl3rt.util.fs import is_temp_name
 from tiny_models import tiny_llama
 
 import save_crash_points
-
-
-def tree(top: Path) -> dict[str, tuple]:
-    """Every name below ``top`` (links not followed): type, bytes (files), link target, mode, mtime."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            st = os.lstat(p)
-            data = p.read_bytes() if stat.S_ISREG(st.st_mode) else os.readlink(p) if stat.S_ISLNK(st.st_mode) else None
-            out[str(p.relative_to(top))] = (stat.S_IFMT(st.st_mode), data, st.st_mode & 0o7777, st.st_mtime_ns)
-    return out
+from test_cache_hostile import snapshot as tree     # every name below a folder: type, bytes, link, mode, mtime
 
 
 def refused(capsys, argv: list[str], match: str) -> str:
