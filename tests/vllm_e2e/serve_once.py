@@ -56,7 +56,11 @@ def _inspect(model):
     summary = cfg.summary() if isinstance(cfg, Exl3VllmConfig) else {}
     # layers served through vLLM's own CPU GEMM over their decoded product (integrations/vllm/dense.py)
     dense = sorted(name for name, mod in model.named_modules() if getattr(mod, "exl3_dense", False))
-    return {"linears": linears, "experts": experts, "heads": heads, "ours": ours, "summary": summary, "dense": dense}
+    # layers whose shards run as one fused EXL3 call (CUDA: integrations/vllm/forward.fuse_layer)
+    fused = sorted(name for name, mod in model.named_modules() if getattr(mod, "exl3_group", None) is not None)
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    return {"linears": linears, "experts": experts, "heads": heads, "ours": ours, "summary": summary, "dense": dense,
+            "fused": fused, "device": device}
 
 
 def main() -> None:
@@ -83,6 +87,25 @@ def main() -> None:
             return _real(*a, **k)
         mod.reconstruct = counted
 
+    # every Triton compile of an exl3rt kernel while vLLM generates (none: every specialization was compiled in
+    # process_weights_after_loading, before vLLM's profile run and graph capture); Triton calls the hook before each
+    # JIT compile, a load from its disk cache included
+    compiles = {"n": 0, "counting": False, "names": []}
+    try:
+        from triton import knobs
+
+        chained = knobs.runtime.jit_cache_hook
+
+        def on_compile(*a, **k):
+            name = str(getattr(k.get("fn"), "module", "") or "")       # JitFunctionInfo(module, name, fn)
+            if compiles["counting"] and name.startswith("exl3rt"):
+                compiles["n"] += 1
+                compiles["names"].append(k.get("repr", name)[:120])
+            return chained(*a, **k) if chained else False
+        knobs.runtime.jit_cache_hook = on_compile
+    except (ImportError, AttributeError):       # no Triton (the CPU build) or one without the hook
+        compiles["n"] = None
+
     kw = {}
     if args.bits is not None:
         bits = int(args.bits) if float(args.bits).is_integer() else args.bits
@@ -90,15 +113,16 @@ def main() -> None:
     llm = LLM(model=args.model, quantization="exl3", dtype=args.dtype, enforce_eager=not args.compile, max_model_len=128,
               skip_tokenizer_init=False, seed=0, **kw)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    decodes["counting"] = True
+    decodes["counting"] = compiles["counting"] = True
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp)
     seconds = time.perf_counter() - t0
-    decodes["counting"] = False
+    decodes["counting"] = compiles["counting"] = False
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     info = llm.apply_model(_inspect)[0]
     with open(args.out, "w") as f:
-        json.dump({"tokens": tokens, "decodes_while_generating": decodes["n"], "generate_seconds": seconds, **info},
+        json.dump({"tokens": tokens, "decodes_while_generating": decodes["n"], "generate_seconds": seconds,
+                   "exl3rt_compiles_while_generating": compiles["n"], "compiled": compiles["names"][:8], **info},
                   f, indent=1, default=str)
 
 

@@ -38,16 +38,31 @@ def _serve(model: Path, cache: Path, out: Path, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
+def _served_as_expected(got: dict, layers: list[str]) -> None:
+    """How ``layers`` run: on the CPU each through vLLM's own GEMM over its decoded product; on CUDA through exl3rt's
+    kernels, every layer of several shards (qkv_proj, gate_up_proj) as one fused call."""
+    if got["device"] == "cpu":
+        assert got["dense"] == sorted(layers)
+    else:
+        assert got["dense"] == []
+        assert got["fused"] == sorted(n for n in layers if n.endswith(("qkv_proj", "gate_up_proj"))), got["fused"]
+        # every kernel specialization was compiled before serving
+        assert got["exl3rt_compiles_while_generating"] == 0, got["compiled"]
+
+
 def _hf_tokens(model: Path, config, dtype=None) -> tuple[list[list[int]], dict]:
     """Greedy tokens of exl3rt's transformers path (``from_pretrained(..., quantization_config=config)``)."""
     from transformers import AutoModelForCausalLM
 
     import exl3rt.integrations.transformers  # noqa: F401  (registers quant_method "exl3rt")
 
-    m = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype or torch.bfloat16, quantization_config=config)
+    # on the GPU vLLM serves from: the same device, the same kernels
+    where = {"device_map": "cuda"} if torch.cuda.is_available() else {}
+    m = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype or torch.bfloat16, quantization_config=config,
+                                             **where)
     out = []
     for p in PROMPTS:
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=m.device)
         with torch.no_grad():
             g = m.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS)
         out.append(g[0, len(p):].tolist())
@@ -116,9 +131,9 @@ def test_online_exl3_under_vllm_torch_compile(bf16_llama, tmp_path):
     got = _serve(bf16_llama, cache, tmp_path / "c.json", "--bits", str(BITS), "--dtype", "float32", "--compile")
     assert got["linears"] and all(v.startswith("Exl3OnlineLinearMethod:") for v in got["linears"].values())
     # the weights were decoded at load (process_weights_after_loading), none in the compiled graph, and every
-    # layer runs vLLM's own CPU GEMM over its decoded product
+    # layer runs vLLM's own CPU GEMM over its decoded product (on CUDA: exl3rt's kernels, shards fused)
     assert got["decodes_while_generating"] == 0
-    assert got["dense"] == sorted(got["linears"])
+    _served_as_expected(got, list(got["linears"]))
     cfg = exl3rt.Exl3Config(bits=BITS, cache_dir=str(cache), progress=False)
     hf_tokens, summary = _hf_tokens(bf16_llama, cfg, dtype=torch.float32)
     assert summary["misses"] == 0 and summary["hits"] == 14
@@ -192,7 +207,7 @@ def test_prequantized_checkpoint_with_quantized_head(vocab, tmp_path, monkeypatc
     assert len(got["linears"]) == 8
     assert all(v.startswith("Exl3CheckpointLinearMethod:") for v in got["linears"].values()), got["linears"]
     assert got["summary"]["layers"]["lm_head"] == "checkpoint" and len(got["summary"]["layers"]) == 9
-    assert got["dense"] == sorted([*got["linears"], "lm_head"])   # vLLM's CPU GEMM over the decoded products
+    _served_as_expected(got, [*got["linears"], "lm_head"])       # vLLM's CPU GEMM over the decoded products
 
     # truth: exl3rt's transformers path (head quantized, tied head untied) with every matrix's codes from the checkpoint
     _use_stored_codes(ckpt, monkeypatch)
