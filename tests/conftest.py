@@ -24,6 +24,22 @@ import sys
 from safetensors import safe_open
 
 
+def _quiet_triton_leak_report() -> None:
+    """Triton's MLIR bindings (nanobind) report objects still alive when an interpreter exits, ~50 lines per
+    pytest worker that ran the Triton interpreter: harmless at exit and nothing a test can act on. Turn that report
+    off through nanobind's own switch, which libtriton exports."""
+    try:
+        import ctypes
+
+        import triton._C.libtriton as libtriton
+        ctypes.CDLL(libtriton.__file__)["_ZN8nanobind6detail17set_leak_warningsEb"](False)
+    except (ImportError, OSError, AttributeError, TypeError):    # no Triton, or a build without the symbol
+        pass
+
+
+_quiet_triton_leak_report()
+
+
 REPO = Path(__file__).resolve().parents[1]
 # a test-only setting: read here, not by the package
 GOLDEN = Path(os.path.expanduser(os.environ.get("EXL3RT_GOLDEN_DIR", "")) or REPO.parent / "shared" / "golden")
@@ -31,7 +47,10 @@ GOLDEN = Path(os.path.expanduser(os.environ.get("EXL3RT_GOLDEN_DIR", "")) or REP
 if not (GOLDEN / "codebooks.safetensors").is_file():
     raise RuntimeError(
         f"golden reference data not found at {GOLDEN}: the tests check every golden file and must not "
-        f"skip them; put shared/ beside the repository or set EXL3RT_GOLDEN_DIR"
+        f"skip them. The data (26 MB, made by exllamav3 1.6.5 itself on an H200: its quantizer's codes, its "
+        f"kernels' outputs; described in its README.md) is not in the repository: it comes with the project's "
+        f"workspace as shared/golden beside the checkout. Put that shared/ folder beside the repository, or set "
+        f"EXL3RT_GOLDEN_DIR to a copy of golden/"
     )
 
 LAYER_FILES = sorted(p.name for p in GOLDEN.glob("[0-9]*.safetensors"))

@@ -316,7 +316,7 @@ def test_quantize_model_tied_head(tmp_path_factory):
     assert model.lm_head.weight is model.model.embed_tokens.weight
     cfg = Exl3Config(bits=4, quantize_lm_head=True, ignore=["model.layers.*"],
                      cache_dir=str(shared_path(tmp_path_factory, "rt-cache")))
-    summary = quantize_model(model, cfg, progress=False)
+    summary = quantize_model(model, cfg, progress=False, layers=True)
     assert summary["names"] == ["lm_head"] and model.lm_head.bits == 6
     assert isinstance(model.model.embed_tokens.weight, torch.nn.Parameter)  # the embedding stays dense
     assert model.config.tie_word_embeddings is False

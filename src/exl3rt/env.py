@@ -23,6 +23,7 @@ class EnvVar(Generic[T]):
     default: T
     parse: Callable[[str], T]
     help: str
+    brief: str = ""     # one clause for `exl3rt --help` (the developer switches; docs hold the whole help)
 
     def get(self, environ: Optional[dict[str, str]] = None) -> T:
         raw = (os.environ if environ is None else environ).get(self.name)
@@ -99,31 +100,36 @@ def _flag(raw: str) -> bool:
 
 KERNEL_NO_ASM: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_NO_ASM", False, _flag,
-    "1: the GPU kernels decode with plain Triton ops instead of inline PTX (debugging, other GPUs)")
+    "1: the GPU kernels decode with plain Triton ops instead of inline PTX (debugging, other GPUs)",
+    brief="1: decode with plain Triton ops instead of inline PTX")
 
 KERNEL_NO_PDL: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_NO_PDL", False, _flag,
     "1: launch the linear kernels and the MoE decode plan's 1-4-row calls without programmatic dependent launch "
-    "(each kernel then starts only when the last one has finished)")
+    "(each kernel then starts only when the last one has finished)",
+    brief="1: no programmatic dependent launch")
 
 KERNEL_ROUNDED_DECODE: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_ROUNDED_DECODE", False, _flag,
     "1: the 1-8-row GEMV kernels (linear layers, MoE decode) round each MCG/3INST weight to fp16 before the "
     "multiply, as the format's decode does (default at K other than 4 and 8: both halves of the codebook sum go to "
-    "the tensor cores unrounded, fewer instructions, within half an fp16 ulp of the format's weight)")
+    "the tensor cores unrounded, fewer instructions, within half an fp16 ulp of the format's weight)",
+    brief="1: round each decoded weight to fp16 before the multiply, as the format does")
 
 KERNEL_DETERMINISTIC: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_DETERMINISTIC", False, _flag,
     "1: the 1-8-row GEMV kernels (linear layers, the MoE decode plan) and, on Hopper, the 9-32-row wgmma kernel "
     "of layers split 12 or more ways along K write one partial sum per K split and the next pass adds them in a "
     "fixed order (bit-identical results from run to run; default: the splits add into one fp32 buffer with atomic "
-    "adds, whose order varies, and the next pass reads only that buffer: faster at 2-8 rows, 1-4 % at 9-32)")
+    "adds, whose order varies, and the next pass reads only that buffer: faster at 2-8 rows, 1-4 % at 9-32)",
+    brief="1: bit-identical GEMV / wgmma results run to run (fixed-order split-K sums)")
 
 KERNEL_NO_WGMMA: EnvVar[bool] = EnvVar(
     "EXL3RT_KERNEL_NO_WGMMA", False, _flag,
     "1: never use the Hopper wgmma kernels (linear layers: 17-256 and 417-512 rows, 9-16 at K other than 1, 2, 4, "
     "then take the mma GEMV / decode + cuBLAS; "
-    "MoE: prefill route blocks of 32/64/128 take the mma tiered launch)")
+    "MoE: prefill route blocks of 32/64/128 take the mma tiered launch)",
+    brief="1: never use the Hopper wgmma kernels")
 
 
 def _positive_int(raw: str) -> int:
@@ -138,16 +144,19 @@ def _positive_int(raw: str) -> int:
 
 MOE_MAX_DECODE_M: EnvVar[int] = EnvVar(
     "EXL3RT_MOE_MAX_DECODE_M", 32, _positive_int,
-    "MoE: most rows run by the decode plan (capped at the declared max batch); more rows use the prefill plan")
+    "MoE: most rows run by the decode plan (capped at the declared max batch); more rows use the prefill plan",
+    brief="MoE: most rows run by the decode plan")
 
 MOE_PREFILL_BLOCK_M: EnvVar[Optional[int]] = EnvVar(
     "EXL3RT_MOE_PREFILL_BLOCK_M", None, _positive_int,
     "MoE: prefill route block; unset = automatic (16, 32 or 64 by the routes per expert of each row bucket), "
-    "set = exactly this for every prefill call")
+    "set = exactly this for every prefill call",
+    brief="MoE: prefill route block (unset: automatic)")
 
 MOE_PREFILL_CAPACITY: EnvVar[Optional[int]] = EnvVar(
     "EXL3RT_MOE_PREFILL_CAPACITY", None, _positive_int,
-    "MoE: rows of the prefill arena (unset = the declared max batch); larger batches run in slices")
+    "MoE: rows of the prefill arena (unset = the declared max batch); larger batches run in slices",
+    brief="MoE: rows of the prefill arena (unset: the declared max batch)")
 
 def _bits(raw: str) -> float | int:
     from .format.bits import normalize_bits  # the one rule for K (FormatError is a ValueError)
@@ -221,6 +230,17 @@ def cache_dir() -> str:
     return CACHE_DIR.get() or os.path.join(xdg_cache_home(), "exl3rt")
 
 
+#: the settings a user sets; the rest tune or debug the kernels and MoE plans (listed apart, under "developer")
+USER: tuple[EnvVar, ...] = (CACHE_DIR, CACHE_MODE, LOG_LEVEL, MODELS_DIR, KERNEL_CACHE_DIR, VLLM_BITS, VLLM_CODEBOOK)
+
+
 def describe() -> str:
-    """One line per variable: name, default, meaning."""
-    return "\n".join(f"  {v.name:<28} (default {v.default!s:<9}) {v.help}" for v in ALL)
+    """The variables, users' settings first, then the developer switches: one line each (name, default, meaning; a
+    developer switch's in brief)."""
+    def line(v: EnvVar, short: bool) -> str:
+        text = (v.brief or v.help) if short else v.help
+        default = "unset" if v.default in (None, "") else v.default
+        return f"  {v.name:<28} (default {default!s:<9}) {text}"
+    developer = [v for v in ALL if v not in USER]
+    return "\n".join([*(line(v, False) for v in USER), "developer (kernel and MoE-plan switches; docs/kernels.md, "
+                      "docs/moe.md):", *(line(v, True) for v in developer)])

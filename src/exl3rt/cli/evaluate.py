@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from typing import Any
 
 from ._args import UNQUANTIZED, UsageError, bits_type, check_device, int_at_least, readable_file
-from ._load import add_model_args, check_bits, describe_load, is_exl3_checkpoint, load, model_dir, model_path
+from ._load import (add_model_args, check_bits, describe_load, is_exl3_checkpoint, load, low_bits_note, model_dir,
+                    model_path, parameter_count)
 
 HELP = "perplexity on a bundled text: the unquantized model and each EXL3 bitrate side by side"
 
@@ -18,7 +20,8 @@ Every bitrate is loaded the way `exl3rt generate` loads it (online encoding thro
 cache), scored on the same tokens in non-overlapping windows of --ctx tokens, and compared with the
 unquantized model loaded from the same directory. An EXL3 checkpoint as --model is scored as stored
 (--bits does not apply), beside the unquantized model in --source if given. The bundled text is ~1500 words of plain
-English prose (exl3rt/data/eval_text.txt); pass --text FILE for your own.
+English prose (exl3rt/data/eval_text.txt); pass --text FILE for your own. At K <= 3 on a model under 1 B
+parameters it notes that calibration (exl3rt quantize --calibrate) or more bits give better results.
 
 examples:
   exl3rt eval --bits 2 3 4 6                       # SmolLM2-135M-Instruct
@@ -100,8 +103,12 @@ def run(args: argparse.Namespace) -> int:
                      "delta_pct": None if base_ppl is None or bits is None else 100.0 * (r.ppl / base_ppl - 1.0),
                      "load_seconds": ld.seconds, "hits": ld.summary.get("hits"), "misses": ld.summary.get("misses")})
         del ld
+    online = [r["bits"] for r in rows if r["bits"] is not None and not r["stored"]]
+    note = low_bits_note(min(online), parameter_count(path), path, args.codebook) if online else None
     if args.json:
         print(json.dumps({"model": name, "ctx": args.ctx, "rows": rows}, indent=2))
+        if note:        # stdout stays JSON
+            print(f"exl3rt: {note}", file=sys.stderr)
         return 0
     print(f"\nperplexity on {'the bundled text' if text is None else args.text} "
           f"({rows[0]['tokens']} tokens, windows of {args.ctx}), {name}")
@@ -114,4 +121,6 @@ def run(args: argparse.Namespace) -> int:
         hm = "" if r["bits"] is None or r["stored"] else f"{r['hits']}/{r['misses']}"
         ppl = f"{r['ppl']:.3f}" if math.isfinite(r["ppl"]) else "inf"
         print(f"{w:<18}{bpw:>7}{ppl:>10}{d:>10}{r['load_seconds']:>9.1f}{hm:>13}")
+    if note:
+        print(f"\nexl3rt: {note}")
     return 0

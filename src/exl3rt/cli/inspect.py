@@ -11,6 +11,7 @@ from typing import Any
 from ..format.checkpoint import Exl3Checkpoint, LinearInfo
 from ..format.validate import validate_checkpoint
 from ..util.units import fmt_bytes
+from ._args import UsageError
 
 HELP = "show what an EXL3 checkpoint holds and what loading it builds (directory or .safetensors file)"
 
@@ -28,7 +29,8 @@ def add_parser(sub: Any) -> None:
                        "adds the values (NaN/inf), as every loader does.\n\n"
                        "K (bits per weight) of each layer comes from its trellis shape; 'bpw' is the\n"
                        "weight-averaged K over all quantized linears, 'bpw+scales' also counts suh/svh/bias/marker\n"
-                       "bytes. A layer's experts that share shape, K and codebook are one row (--all: one each).",
+                       "bytes. A layer's experts that share shape, K and codebook are one row (--all: one each).\n\n"
+                       "Exit status 1 (one error line) when PATH holds no EXL3 tensors, e.g. an unquantized model.",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", help="EXL3 model directory or one .safetensors file")
     p.add_argument("--json", action="store_true", help="print JSON (layers, totals, load plan) instead of a table")
@@ -115,15 +117,21 @@ def _describe_plan(plan: dict[str, Any], ckpt: Exl3Checkpoint, path: Path) -> li
 def run(args: argparse.Namespace) -> int:
     path = Path(args.path)
     # the loaders' own checks (format/validate.py); --validate adds the values and needs a complete checkpoint
-    ckpt = validate_checkpoint(path, data=args.validate, require_config=args.validate)
+    ckpt = validate_checkpoint(path, data=False, require_config=args.validate)
     linears = ckpt.linears()
+    if not linears:     # before --validate reads the values: an unquantized model may be large
+        src = path if path.is_dir() else "MODEL_DIR"
+        raise UsageError(f"{path}: no EXL3 tensors, so not an EXL3 checkpoint (an unquantized model?): convert "
+                         f"{'it' if path.is_dir() else 'its model folder'} with `exl3rt quantize {src} OUT`, or run "
+                         f"it quantized as it loads with `exl3rt generate --model {src}`")
     if args.validate:
+        validate_checkpoint(ckpt, data=True)
         for li in linears:
             ckpt.load_linear(li.name)  # raises FormatError naming the tensor
     incomplete = path.is_dir() and ckpt.config is None
     note = (f"{path}: no config.json, so not a complete checkpoint (an interrupted save or quantize leaves none; "
             f"rerun it); its tensors are listed, nothing can load it") if incomplete else None
-    plan = _plan(path) if path.is_dir() and not incomplete and linears else None
+    plan = _plan(path) if path.is_dir() and not incomplete else None
     summary = ckpt.summary()
     if args.json:
         rows = [{"name": li.name, "in": li.in_padded, "out": li.out_padded, "bits": li.bits,
@@ -139,9 +147,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if note:
         print(f"note         {note}")
-    if not linears:
-        print(f"{args.path}: no EXL3-quantized linears found")
-        return 0
     if plan is not None:
         print("\n".join(_describe_plan(plan, ckpt, path)))
         print()

@@ -5,7 +5,7 @@ together with ``job.json`` (the settings and the source files' sizes and times).
 same settings skips every layer already there and valid; different settings or a changed
 source are refused rather than mixed. When all layers are done the EXL3 checkpoint is written
 (shards, index, configs) with the source's side files beside it (tokenizer, generation config, chat
-template: every top-level file that holds no weights, :func:`side_files`) and the work folder is
+template: every top-level file that holds no weights, :func:`exl3rt.format.output.side_files`) and the work folder is
 removed. A source weight the encoder refuses (NaN/inf values, a bad shape: :class:`EncodeError`)
 ends the run and removes what this run created (the work folder, and OUT itself if the run made
 it): fixing the source changes it, so the layers finished before could never be resumed.
@@ -38,7 +38,7 @@ from ..encode.errors import EncodeError
 from ..encode.quantize import ENCODER_VERSION, quantize_weight
 from ..format.checkpoint import CONFIG_NAME, INDEX_NAME, QCONFIG_NAME
 from ..format.checkpoint_write import CheckpointWriter, card_source
-from ..format.output import PARTIAL_NAME, WEIGHT_SUFFIXES, WORK_DIR, check_location, check_output, is_layout_name
+from ..format.output import PARTIAL_NAME, WORK_DIR, check_location, check_output, is_layout_name, side_files
 from ..format.encoded import EncodedLinear, padded_width
 from ..format.errors import FormatError
 from ..util.fs import atomic_path, atomic_write_text, sweep_temp_files, temp_target
@@ -51,15 +51,6 @@ log = logging.getLogger("exl3rt.convert")
 
 LOCK_NAME = "lock"
 JOB_NAME = "job.json"
-
-
-def side_files(src_dir: Path) -> list[Path]:
-    """The source directory's top-level files an EXL3 checkpoint carries over unchanged — tokenizer files, the
-    generation config, a chat template, a README: every regular file except weights (by suffix), weight indexes
-    (``*.index.json``), ``config.json`` and ``quantization_config.json`` (written anew) and hidden files."""
-    return sorted(p for p in Path(src_dir).iterdir()
-                  if p.is_file() and not p.name.startswith(".") and p.name not in (CONFIG_NAME, QCONFIG_NAME)
-                  and not p.name.endswith((".index.json", *WEIGHT_SUFFIXES)))
 
 
 def _job_record(src: TensorFiles, plan: ConversionPlan, settings: dict[str, Any]) -> dict[str, Any]:

@@ -14,10 +14,15 @@ anything; the rule (docs/format.md, "Output directories") is:
   ``"files"``). A file this write would create that is not owned (e.g. a ``tokenizer.json`` exl3rt did not put
   there) is refused; every other file is left as it is. Weights of another layout (``model.safetensors``,
   ``pytorch_model.bin``, …) are refused too: a loader could read them instead of the EXL3 shards.
+
+What a checkpoint carries over from its source directory is decided here too: :func:`side_files` (``exl3rt
+quantize``: every top-level file that holds no weights) and :func:`tokenizer_files` (``save_pretrained``: the
+tokenizer, so that the checkpoint runs on its own).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 from pathlib import Path
@@ -44,6 +49,26 @@ MANIFEST_KEY = "files"
 
 #: weights in other formats: never copied beside an EXL3 checkpoint, and refused in its directory
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz")
+
+
+#: a model's tokenizer files (and chat template): what turns text into ids beside the weights
+TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model",
+                      "chat_template*")
+
+
+def side_files(src_dir: str | os.PathLike[str]) -> list[Path]:
+    """The source directory's top-level files an EXL3 checkpoint carries over unchanged — tokenizer files, the
+    generation config, a chat template, a README: every regular file except weights (by suffix), weight indexes
+    (``*.index.json``), ``config.json`` and ``quantization_config.json`` (written anew) and hidden files."""
+    return sorted(p for p in Path(src_dir).iterdir()
+                  if p.is_file() and not p.name.startswith(".") and p.name not in (CONFIG_NAME, QCONFIG_NAME)
+                  and not p.name.endswith((".index.json", *WEIGHT_SUFFIXES)))
+
+
+def tokenizer_files(src_dir: str | os.PathLike[str]) -> list[Path]:
+    """The tokenizer files among :func:`side_files` (:data:`TOKENIZER_PATTERNS`): what a checkpoint needs beside
+    its weights to be run on text."""
+    return [p for p in side_files(src_dir) if any(fnmatch.fnmatchcase(p.name, pat) for pat in TOKENIZER_PATTERNS)]
 
 
 def is_layout_name(name: str) -> bool:

@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..util.progress import Progress
+
 #: new tokens of the warm-up generation: compile (1), cudagraph trees' warm-up run (2), recording (3), a replay
 WARMUP_TOKENS = 4
 
@@ -69,19 +71,35 @@ def _stop_after(prompt: int, n: int) -> Any:
     return StopAfter()
 
 
-def prepare_model(model: torch.nn.Module, dtype: torch.dtype, *, fuse: bool = True) -> int:
+#: weights to decode on the CPU from which :func:`prepare_model` shows a progress bar (a 135 M model's ~100 M take
+#: from seconds to minutes on a small CPU; a few tiny layers take no noticeable time)
+PREPARE_PROGRESS_WEIGHTS = 16 * 2**20
+
+
+def prepare_model(model: torch.nn.Module, dtype: torch.dtype, *, fuse: bool = True, progress: bool = True,
+                  progress_min_weights: int = PREPARE_PROGRESS_WEIGHTS) -> int:
     """Every EXL3 linear made ready for ``dtype`` before the first forward, outside any traced code: on CUDA
     q/k/v and gate/up fused, and gated MLPs run as one call (``fuse``; :func:`exl3rt.runtime.fusion.fuse_linears`),
     and the kernels compiled,
     elsewhere the kept dense weight decoded (what a first forward would do); returns the kernel launches this
-    took."""
+    took. ``progress``: a progress bar on stderr while the CPU decodes, when at least ``progress_min_weights``
+    weights are to be decoded."""
     from ..runtime.fusion import fuse_linears, gated_shapes
     from ..runtime.linear import Exl3Linear
 
     if fuse:
         fuse_linears(model)
     done: set = set()
-    n = sum(m.prepare(dtype, done) for m in model.modules() if isinstance(m, Exl3Linear))
+    linears = [m for m in model.modules() if isinstance(m, Exl3Linear)]
+    decoding = {id(m): m.in_features * m.out_features for m in linears if m.prepare_decodes(dtype)}
+    total = sum(decoding.values())
+    n = 0
+    with Progress(total, "exl3rt: preparing layers (decoding weights)", unit="w",
+                  enabled=progress and total >= max(progress_min_weights, 1)) as bar:
+        for m in linears:
+            n += m.prepare(dtype, done)
+            if id(m) in decoding:
+                bar.update(decoding[id(m)], note=m.name)
     for shape, device in gated_shapes(model):       # the fused MLPs' middle pass
         if device.type == "cuda":
             from ..kernels.linear import prewarm_gated
@@ -90,12 +108,13 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, *, fuse: bool = Tr
 
 
 def generate_timed(model: Any, ids: torch.Tensor, max_new_tokens: int, *, fast: bool, pad_token_id: Optional[int],
-                   on_warmup: Optional[Callable[[], None]] = None) -> tuple[torch.Tensor, GenerationTiming]:
+                   on_warmup: Optional[Callable[[], None]] = None,
+                   progress: bool = True) -> tuple[torch.Tensor, GenerationTiming]:
     """Greedy ``model.generate(ids)`` of ``max_new_tokens`` (batch of one); returns the output ids and the
-    timing. The EXL3 layers are prepared first (:func:`prepare_model`), so that the prefill's time is the
-    model's. ``fast``: a static KV cache, the decode step compiled by transformers where it compiles (a CUDA
-    device), after a warm-up generation of the same lengths (``on_warmup`` is called before it, e.g. to say
-    so); the tokens are those of the eager mode up to the kernels' rounding."""
+    timing. The EXL3 layers are prepared first (:func:`prepare_model`, with its progress bar if ``progress``), so
+    that the prefill's time is the model's. ``fast``: a static KV cache, the decode step compiled by transformers
+    where it compiles (a CUDA device), after a warm-up generation of the same lengths (``on_warmup`` is called
+    before it, e.g. to say so); the tokens are those of the eager mode up to the kernels' rounding."""
     from transformers import StoppingCriteriaList
 
     if ids.dim() != 2 or ids.shape[0] != 1:
@@ -105,7 +124,8 @@ def generate_timed(model: Any, ids: torch.Tensor, max_new_tokens: int, *, fast: 
                                   do_sample=False, pad_token_id=pad_token_id)
     warmup = 0.0
     t0 = time.perf_counter()
-    prepare_model(model, next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32))
+    prepare_model(model, next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32),
+                  progress=progress)
     _sync(ids.device)
     prepare = time.perf_counter() - t0
     with torch.no_grad():
@@ -137,4 +157,4 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = ["GenerationTiming", "WARMUP_TOKENS", "generate_timed", "prepare_model"]
+__all__ = ["GenerationTiming", "PREPARE_PROGRESS_WEIGHTS", "WARMUP_TOKENS", "generate_timed", "prepare_model"]

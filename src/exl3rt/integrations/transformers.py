@@ -30,10 +30,12 @@ How the weights flow (each linear is encoded as its weight loads; the dense mode
    (:func:`exl3rt.runtime.moe_module.install_moe_runtimes`) and, on CUDA, fuses q/k/v and gate/up and runs each
    Llama-style MLP as one call (:func:`exl3rt.runtime.fusion.fuse_linears`). ``Exl3Config.expert_bits_rule`` is refused
    here: router statistics need the whole model before encoding (use ``quantize_model``).
-   ``model.hf_quantizer.summary()`` tells hits/misses and which MoE path each experts module runs.
+   ``model.hf_quantizer.summary()`` tells the totals (hits/misses, bits) and which MoE path each experts module
+   runs; ``summary(layers=True)`` also names every quantized module.
 
 ``model.save_pretrained(dir)`` writes an EXL3 checkpoint (:func:`exl3rt.runtime.export.save_exl3`: the
-codes bit for bit, in exllamav3's layout, with ``quant_method: exl3``) and the generation config: the
+codes bit for bit, in exllamav3's layout, with ``quant_method: exl3``), the generation config and the tokenizer
+files of the local directory the model was loaded from (so ``exl3rt generate --model dir`` runs it): the
 model's own ``save_pretrained`` is replaced by that one when loading ends. transformers' generic path
 (``PreTrainedModel.save_pretrained`` called on the class) stays refused: it would write our buffers with the
 online config, which no loader reads as a checkpoint.
@@ -76,7 +78,7 @@ from ..runtime.config import Exl3ConfigError as RuntimeExl3ConfigError
 from ..runtime.experts import Exl3Experts
 from ..runtime.export import save_exl3
 from ..runtime.linear import Exl3Linear
-from ..runtime.online import OnlineEncoder, make_cache
+from ..runtime.online import OnlineEncoder, make_cache, progress_label
 from ..runtime.moe_module import install_moe_runtimes
 from ..runtime.fusion import fuse_linears
 from ..runtime.policy import RULE_NEEDS_STATS, ExpertsTarget, LinearTarget, fused_experts_layout, select_targets
@@ -276,7 +278,7 @@ class Exl3HfQuantizer(_Exl3Quantizer):
                 self._pending[f"{target.name}.down_proj"] = target
             replace_module(model, target.name, new)
         total = sum(t.num_weights for t in self._targets)
-        self._progress = Progress(total, "exl3rt: quantizing", unit="w", enabled=cfg.progress)
+        self._progress = Progress(total, progress_label(None), unit="w", enabled=cfg.progress)
         return model
 
     def _experts_placeholder(self, module: nn.Module, target: ExpertsTarget) -> Exl3Experts:
@@ -343,6 +345,7 @@ class Exl3HfQuantizer(_Exl3Quantizer):
             codes = enc.encode(name, w, k)
             out.update({f"{name}.trellis": codes.trellis, f"{name}.suh": codes.suh, f"{name}.svh": codes.svh})
             if self._progress is not None:
+                self._progress.desc = progress_label(enc.stats)
                 self._progress.update(w.numel(), note=name)
         out[key] = _spent(value)
         self._done.add(key)
@@ -366,6 +369,7 @@ class Exl3HfQuantizer(_Exl3Quantizer):
             replace_module(model, target.name, new)
             untie_head(model, target.name)
             if self._progress is not None:
+                self._progress.desc = progress_label(enc.stats)
                 self._progress.update(target.num_weights, note=target.name)
         self.moe = install_moe_runtimes(model, self.config)  # tiered experts -> Exl3MoE (docs/online.md)
         fuse_linears(model)             # on CUDA: q/k/v and gate/up as one call each, a gated MLP as one call
@@ -379,17 +383,22 @@ class Exl3HfQuantizer(_Exl3Quantizer):
                  s.layers, s.modules, s.hits, s.misses, s.encode_seconds, s.read_seconds)
         return model
 
-    def summary(self) -> dict[str, Any]:
-        """Counters of this load: layers, modules, hits, misses, encode/read seconds, weights, avg_bits, bpw, cache."""
+    def summary(self, layers: bool = False) -> dict[str, Any]:
+        """Totals of this load: layers (matrices), modules, hits, misses, encode/read seconds, weights, avg_bits, bpw,
+        cache, and ``moe`` (experts module -> "runtime …" or "loop: reason"). ``layers``: also ``names``, every
+        quantized module (a model has hundreds: asked for, not printed by default)."""
         out = self._encoder().summary()
-        out["names"] = [t.name for t in self._targets]
+        if layers:
+            out["names"] = [t.name for t in self._targets]
         out["moe"] = dict(getattr(self, "moe", {}))
         return out
 
 
 def save_pretrained_exl3(model: nn.Module, save_directory: str | os.PathLike[str], *,
                          max_shard_size: int | str = "8GB", push_to_hub: bool = False, **kwargs: Any) -> None:
-    """``model.save_pretrained`` of a model exl3rt quantized: an EXL3 checkpoint plus the generation config.
+    """``model.save_pretrained`` of a model exl3rt quantized: an EXL3 checkpoint plus the generation config and the
+    tokenizer files of the local directory the model was loaded from (one already in ``save_directory`` that exl3rt
+    did not write, e.g. from ``tokenizer.save_pretrained``, is kept; :func:`exl3rt.runtime.export.source_tokenizer`).
 
     ``max_shard_size`` as transformers takes it (bytes or "5GB"); other transformers options
     (``safe_serialization``, ``state_dict``, …) do not apply to EXL3 codes and are ignored.
@@ -540,6 +549,16 @@ class Exl3CheckpointQuantizer(_Exl3Quantizer):
         fuse_linears(model)
         model.save_pretrained = types.MethodType(save_pretrained_exl3, model)
         return model
+
+    def summary(self, layers: bool = False) -> dict[str, Any]:
+        """Totals of the loaded checkpoint (:meth:`exl3rt.format.checkpoint.Exl3Checkpoint.summary`: linears,
+        weights, bpw, bytes, codebooks) and ``moe``; nothing was encoded. ``layers``: also ``names``, every EXL3
+        linear."""
+        out = self.ckpt.summary() if self.ckpt is not None else {}
+        if layers:
+            out["names"] = sorted(self.linears, key=natural_key)
+        out["moe"] = dict(self.moe)
+        return out
 
 
 def plan_checkpoint_load(path: str | os.PathLike[str]) -> dict[str, Any]:

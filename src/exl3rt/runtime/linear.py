@@ -240,6 +240,14 @@ class Exl3Linear(nn.Module):
         """``x · W`` of this layer alone (no bias, no fused group)."""
         return call_linear(x, self.trellis, self.suh, self.svh, self._dense_for(x), self.codebook, self.out_features)
 
+    def prepare_decodes(self, dtype: torch.dtype) -> bool:
+        """True where :meth:`prepare` for ``dtype`` would decode the kept dense weight (off CUDA, the
+        dequantized-weight cache on, and no weight of that dtype kept yet): the slow part of getting ready on a CPU."""
+        if self._on_kernel_device() or not self._cache_enabled(self.trellis.device):
+            return False
+        w = self._w_cache
+        return w is None or w.dtype != dtype or tuple(w.shape) != (self.in_features, self.out_features)
+
     def prepare(self, dtype: torch.dtype, done: Optional[set] = None) -> int:
         """Get ready for activations of ``dtype`` outside any traced code: on CUDA compile the kernels
         (:meth:`prewarm`; returns its launches), elsewhere decode the kept dense weight where the

@@ -53,6 +53,16 @@ class OnlineStats:
         return out
 
 
+def progress_label(stats: Optional[OnlineStats]) -> str:
+    """A quantization pass's progress-bar label, true to what it has done so far: a pass whose layers all came
+    from the cache is loading, not quantizing (``None``: nothing done yet)."""
+    if stats is None or stats.layers == 0 or stats.hits == 0:
+        return "exl3rt: quantizing"
+    if stats.misses == 0:
+        return "exl3rt: loading from the encoding cache"
+    return f"exl3rt: quantizing ({stats.hits} of {stats.layers} matrices from the cache)"
+
+
 def make_cache(config: Exl3Config) -> "EncodingCache":
     """The :class:`~exl3rt.cache.EncodingCache` the config asks for (root/mode None: the environment)."""
     from ..cache import EncodingCache
@@ -130,4 +140,4 @@ class OnlineEncoder:
         return out
 
 
-__all__ = ["OnlineEncoder", "OnlineStats", "make_cache"]
+__all__ = ["OnlineEncoder", "OnlineStats", "make_cache", "progress_label"]

@@ -24,8 +24,8 @@ from ..util.progress import Progress
 from .config import Exl3Config
 from .experts import Exl3Experts
 from .linear import Exl3Linear
-from .online import OnlineEncoder
-from .policy import ExpertsTarget, LinearTarget, select_targets
+from .online import OnlineEncoder, progress_label
+from .policy import ExpertsTarget, LinearTarget, PolicyError, select_targets
 from .router_stats import calibration_ids as _calibration_ids
 from .router_stats import collect_router_stats
 from .surgery import quantize_linear, replace_module, untie_head
@@ -52,6 +52,7 @@ def _quantize_experts(module: nn.Module, target: ExpertsTarget, enc: OnlineEncod
                 child.weight = nn.Parameter(w.contiguous().clone(), requires_grad=False)
             else:
                 child = Exl3Linear.from_encoded(enc.encode(name, w, k), dequant_cache=config.dequant_cache, name=name)
+                progress.desc = progress_label(enc.stats)
                 progress.update(w.numel(), note=name)
             new.set_projection(e, proj, child)
     if lay.has_bias:
@@ -60,8 +61,21 @@ def _quantize_experts(module: nn.Module, target: ExpertsTarget, enc: OnlineEncod
     return new
 
 
+def _nothing_to_quantize(model: nn.Module) -> None:
+    """No module of ``model`` is selected: refuse when it already holds EXL3 modules (quantized before), else say
+    that nothing was quantized."""
+    done = [n for n, m in model.named_modules() if isinstance(m, (Exl3Linear, Exl3Experts))]
+    if done:
+        raise PolicyError(f"quantize_model: the model is already quantized ({len(done)} EXL3 modules, e.g. {done[0]}) "
+                          f"and nothing else in it would be; use it as it is, or load the unquantized model again "
+                          f"(from_pretrained without quantization_config) to quantize it with other settings")
+    log.warning("exl3rt: quantize_model found no linear to quantize (every one ignored, or the model has none); "
+                "the model is unchanged")
+
+
 def quantize_model(model: nn.Module, config: Optional[Exl3Config] = None, *, cache: Any = None,
-                   progress: bool = True, calibration_ids: Any = None, tokenizer: Any = None) -> dict[str, Any]:
+                   progress: bool = True, calibration_ids: Any = None, tokenizer: Any = None,
+                   layers: bool = False) -> dict[str, Any]:
     """Quantize ``model`` in place (see the module docstring); returns a summary dict.
 
     ``config`` defaults to ``Exl3Config()`` (K=4, mcg). ``cache`` defaults to
@@ -69,11 +83,16 @@ def quantize_model(model: nn.Module, config: Optional[Exl3Config] = None, *, cac
     ``modules``, ``hits``, ``misses``, ``encode_seconds``, ``read_seconds``, ``seconds``,
     ``total_weights``, ``avg_bits`` (weight-averaged K), ``bpw`` (stored bits of trellis+scales per
     weight), ``code_bytes``, ``cache`` (the cache's own counters), ``cache_root``, ``cache_mode``,
-    ``names`` (the replaced modules), ``moe`` (experts module -> "runtime …" or "loop: reason"), and
-    ``router_stats`` (``{"tokens", "counts"}``) when ``config.expert_bits_rule`` gathered them.
+    ``moe`` (experts module -> "runtime …" or "loop: reason"), ``router_stats`` (``{"tokens", "counts"}``) when
+    ``config.expert_bits_rule`` gathered them, and with ``layers`` ``names`` (the replaced modules).
 
     ``calibration_ids`` (token ids) or ``tokenizer`` (for the bundled evaluation text) feed
     ``config.expert_bits_rule``; without either, the tokenizer saved beside the model is used.
+
+    A model that is already quantized (EXL3 modules, e.g. from ``from_pretrained(..., quantization_config=...)`` or
+    an EXL3 checkpoint) with nothing left that ``config`` would quantize is refused (:class:`PolicyError` naming a
+    quantized module): its codes cannot be quantized again, and a silent no-op would pass for a requantization.
+    Modules it left dense (``ignore``) are quantized as any other.
     """
     config = config if config is not None else Exl3Config()
     if not isinstance(config, Exl3Config):
@@ -87,14 +106,17 @@ def quantize_model(model: nn.Module, config: Optional[Exl3Config] = None, *, cac
         ids = _calibration_ids(model, config.expert_bits_rule.tokens, token_ids=calibration_ids, tokenizer=tokenizer)
         stats = collect_router_stats(model, ids)
     targets = select_targets(model, config, stats)
+    if not targets:
+        _nothing_to_quantize(model)
     enc = OnlineEncoder(config, cache)
     total = sum(t.num_weights for t in targets)
     names = []
-    with Progress(total, "exl3rt: quantizing", unit="w", enabled=progress and config.progress) as bar:
+    with Progress(total, progress_label(None), unit="w", enabled=progress and config.progress) as bar:
         for target in targets:
             module = model.get_submodule(target.name)
             if isinstance(target, LinearTarget):
                 new = quantize_linear(module, target, enc, config)
+                bar.desc = progress_label(enc.stats)
                 bar.update(target.num_weights, note=target.name)
             else:
                 new = _quantize_experts(module, target, enc, config, bar)
@@ -112,7 +134,8 @@ def quantize_model(model: nn.Module, config: Optional[Exl3Config] = None, *, cac
     moe = install_moe_runtimes(model, config)
     enc.stats.seconds = time.perf_counter() - t0
     summary = enc.summary()
-    summary["names"] = names
+    if layers:
+        summary["names"] = names
     summary["moe"] = moe
     if stats is not None:
         summary["router_stats"] = stats.as_dict()
