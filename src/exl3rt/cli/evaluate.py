@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"\nperplexity on {'the bundled text' if text is None else args.text} "
           f"({rows[0]['tokens']} tokens, windows of {args.ctx}), {name}")
-    print(f"{'weights':<18}{'bpw':>7}{'ppl':>10}{'vs unq.':>10}{'load s':>9}{'hits/misses':>13}")
+    print(f"{'weights':<18} {'bpw':>6} {'ppl':>10} {'vs unq.':>9} {'load s':>8} {'hits/misses':>12}")
     for r in rows:
         w = ("unquantized" if r["bits"] is None else f"checkpoint {r['codebook']}" if r["stored"] else
              f"EXL3 K={r['bits']:g} {r['codebook']}")
@@ -120,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
         d = "" if r["delta_pct"] is None else f"{r['delta_pct']:+.1f}%"
         hm = "" if r["bits"] is None or r["stored"] else f"{r['hits']}/{r['misses']}"
         ppl = f"{r['ppl']:.3f}" if math.isfinite(r["ppl"]) else "inf"
-        print(f"{w:<18}{bpw:>7}{ppl:>10}{d:>10}{r['load_seconds']:>9.1f}{hm:>13}")
+        # a space between columns whatever the widths (a random model's perplexity can take 11 digits)
+        print(f"{w:<18} {bpw:>6} {ppl:>10} {d:>9} {r['load_seconds']:>8.1f} {hm:>12}")
     if note:
         print(f"\nexl3rt: {note}")
     return 0
