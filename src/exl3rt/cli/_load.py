@@ -115,21 +115,28 @@ def hub_snapshot(repo_id: str, flag: str = "--model", patterns: tuple[str, ...] 
                          f"not be reached ({why}); download it first or point {flag} at a directory") from None
 
 
-def model_dir(value: str, flag: str = "--model", *, exl3: bool = True) -> Path:
-    """The model directory ``value`` of option ``flag`` (a directory, or a Hugging Face Hub ID such as
-    ``org/name``: :func:`hub_snapshot`), checked as far as headers go: unquantized, or (``exl3``) an EXL3
-    checkpoint; :class:`UsageError` or :class:`~exl3rt.util.tensorfiles.TensorFileError` otherwise."""
+def _local_dir(value: str, flag: str, patterns: tuple[str, ...], what: str) -> Path:
+    """The directory ``value`` of option ``flag``: as given, or a Hub ID's snapshot (the files ``patterns`` match:
+    :func:`hub_snapshot`); :class:`UsageError` naming ``flag`` when there is none (``what``: what it should hold)."""
     path = Path(value).expanduser()
     try:
         exists = path.exists()
     except OSError as exc:      # e.g. a name longer than the file system allows
         raise UsageError(f"{flag} {shown_path(value)}: {exc.strerror or exc}") from None
     if not exists and _HUB_ID.fullmatch(value) and not value.startswith("."):
-        path = hub_snapshot(value, flag)
+        path = hub_snapshot(value, flag, patterns)
     if not path.exists():
         raise UsageError(f"{flag} {path}: no such directory")
     if not path.is_dir():
-        raise UsageError(f"{flag} {path}: not a directory; point {flag} at a Hugging Face model directory")
+        raise UsageError(f"{flag} {path}: not a directory; point {flag} at {what}")
+    return path
+
+
+def model_dir(value: str, flag: str = "--model", *, exl3: bool = True) -> Path:
+    """The model directory ``value`` of option ``flag`` (a directory, or a Hugging Face Hub ID such as
+    ``org/name``: :func:`hub_snapshot`), checked as far as headers go: unquantized, or (``exl3``) an EXL3
+    checkpoint; :class:`UsageError` or :class:`~exl3rt.util.tensorfiles.TensorFileError` otherwise."""
+    path = _local_dir(value, flag, MODEL_PATTERNS, "a Hugging Face model directory")
     if not (path / "config.json").is_file():
         raise UsageError(f"{flag} {path}: not a Hugging Face model directory (no config.json)")
     method = _quant_method(path / "config.json")
@@ -145,19 +152,8 @@ def model_dir(value: str, flag: str = "--model", *, exl3: bool = True) -> Path:
 def tokenizer_dir(value: str, flag: str = "--tokenizer") -> Path:
     """The tokenizer directory ``value`` of option ``flag``: a directory, or a Hub ID (its tokenizer files only:
     :func:`hub_snapshot`); :class:`UsageError` otherwise. Checked before any model loads."""
-    path = Path(value).expanduser()
-    try:
-        exists = path.exists()
-    except OSError as exc:
-        raise UsageError(f"{flag} {shown_path(value)}: {exc.strerror or exc}") from None
-    if not exists and _HUB_ID.fullmatch(value) and not value.startswith("."):
-        path = hub_snapshot(value, flag, TOKENIZER_HUB_PATTERNS)
-    if not path.exists():
-        raise UsageError(f"{flag} {path}: no such directory")
-    if not path.is_dir():
-        raise UsageError(f"{flag} {path}: not a directory; point {flag} at the folder that holds the tokenizer files "
-                         f"(tokenizer.json, tokenizer_config.json, ...)")
-    return path
+    return _local_dir(value, flag, TOKENIZER_HUB_PATTERNS,
+                      "the folder that holds the tokenizer files (tokenizer.json, tokenizer_config.json, ...)")
 
 
 @contextlib.contextmanager

@@ -120,13 +120,6 @@ class Exl3Checkpoint:
 
     def _check_parts(self, key: str, have: set[str]) -> tuple[int, int]:
         """Dtype (exact, from the header) and shape of every stored part of linear ``key``; its padded widths."""
-        for part in sorted(have & set(_LINEAR_PARTS)):
-            info = self._tensors[f"{key}.{part}"]
-            want = STORED_DTYPES[part]
-            if info.dtype not in want:
-                raise FormatError(f"{key}.{part}: stored as {info.dtype} in {self.root / info.file}, but EXL3 stores "
-                                  f"it as {' or '.join(want)}; the tensor is mislabelled or from another format and is "
-                                  f"not cast: convert the checkpoint again")
         trellis = self._tensors[f"{key}.trellis"]
         if len(trellis.shape) != 3:
             raise FormatError(f"{key}.trellis: expected shape [in/16, out/16, 16*K], got {trellis.shape}")
@@ -139,6 +132,11 @@ class Exl3Checkpoint:
         shapes = {"suh": (in_p,), "svh": (out_p,), "su": (in_p // 16,), "sv": (out_p // 16,), "bias": (out_p,)}
         for part in sorted(have & set(_LINEAR_PARTS)):
             info = self._tensors[f"{key}.{part}"]
+            want = STORED_DTYPES[part]
+            if info.dtype not in want:
+                raise FormatError(f"{key}.{part}: stored as {info.dtype} in {self.root / info.file}, but EXL3 stores "
+                                  f"it as {' or '.join(want)}; the tensor is mislabelled or from another format and is "
+                                  f"not cast: convert the checkpoint again")
             if part in MARKERS:
                 ok, want_s = info.numel == 1 and len(info.shape) <= 1, "[] (an int32 scalar)"
             elif part in shapes:
