@@ -299,6 +299,31 @@ def test_the_value_scan_reads_in_slices_and_names_the_first_bad_element(base, tm
     check_values(TensorFiles(base), max_bytes=256)
 
 
+@pytest.mark.parametrize("case", ["large finite", "inf", "+inf and -inf", "nan"])
+def test_the_value_scan_against_an_elementwise_check(case, tmp_path):
+    """The scan sums each slice first: finite values whose sum overflows (bf16 near its largest) must pass, and an
+    inf, a NaN, or infinities that cancel to a NaN must be named; truth: ``torch.isfinite`` element by element."""
+    from safetensors.torch import save_file
+
+    t = torch.ones(64, 8, dtype=torch.bfloat16)
+    if case == "large finite":
+        t.fill_(3.0e38)
+    elif case == "inf":
+        t[40, 2] = float("inf")
+    elif case == "+inf and -inf":
+        t[40, 2], t[50, 3] = float("inf"), float("-inf")
+    else:
+        t[40, 2] = float("nan")
+    save_file({"w": t}, str(tmp_path / "model.safetensors"))
+    files = TensorFiles(tmp_path)
+    if bool(torch.isfinite(t).all()):
+        assert not torch.isfinite(t.sum(dtype=torch.float32))      # the case the fallback is for
+        check_values(files, max_bytes=1024)
+    else:
+        with pytest.raises(FormatError, match=r"w: non-finite values .* the first at index \[40, 2\]"):
+            check_values(files, max_bytes=1024)
+
+
 def test_an_index_that_maps_everything_to_model_safetensors_is_one_set_of_files(base, tmp_path):
     path = tmp_path / "single"
     shutil.copytree(base, path)
