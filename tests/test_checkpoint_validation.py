@@ -301,8 +301,8 @@ def test_the_value_scan_reads_in_slices_and_names_the_first_bad_element(base, tm
 
 @pytest.mark.parametrize("case", ["large finite", "inf", "+inf and -inf", "nan"])
 def test_the_value_scan_against_an_elementwise_check(case, tmp_path):
-    """The scan sums each slice first: finite values whose sum overflows (bf16 near its largest) must pass, and an
-    inf, a NaN, or infinities that cancel to a NaN must be named; truth: ``torch.isfinite`` element by element."""
+    """Finite values near bf16's largest (whose sum would overflow) pass; an inf, a NaN, or infinities of both signs
+    are named at their first index; truth: the tensor as built, element by element."""
     from safetensors.torch import save_file
 
     t = torch.ones(64, 8, dtype=torch.bfloat16)
@@ -316,8 +316,7 @@ def test_the_value_scan_against_an_elementwise_check(case, tmp_path):
         t[40, 2] = float("nan")
     save_file({"w": t}, str(tmp_path / "model.safetensors"))
     files = TensorFiles(tmp_path)
-    if bool(torch.isfinite(t).all()):
-        assert not torch.isfinite(t.sum(dtype=torch.float32))      # the case the fallback is for
+    if case == "large finite":
         check_values(files, max_bytes=1024)
     else:
         with pytest.raises(FormatError, match=r"w: non-finite values .* the first at index \[40, 2\]"):
