@@ -17,23 +17,15 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import commit, write_json  # noqa: E402
+from common import commit, median_ms, write_json  # noqa: E402
 
 
 def median_s(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_ms(fn, reps, warmup=1, cuda=False) / 1e3
 
 
 def main() -> None:
