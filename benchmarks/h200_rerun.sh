@@ -11,8 +11,13 @@
 #                interleaved with BF16 (host-sensitive: read the ratios, not the milliseconds)
 #   STAGE=host   bench_host.py: the host's time per part of an eager one-token forward, BF16 beside EXL3
 #   STAGE=tp     (nvidia-h200-x2) check_tp_layers.py and check_moe_tp_nccl.py over NCCL on two GPUs
+#   STAGE=vllm   the plugin in vLLM's CUDA build: install, smoke, the e2e suite (benchmarks/vllm_gpu/device.sh; carry
+#                .vgpu, the bundle benchmarks/vllm_gpu/build.sh makes, instead of .whl)
 set -euo pipefail
 export PYTHONUNBUFFERED=1
+if [ "${STAGE:-}" = vllm ]; then        # its own environment (vLLM's bundle), not the wheels below
+    exec bash benchmarks/vllm_gpu/device.sh install smoke e2e
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests
 export EXL3RT_GOLDEN_DIR=$PWD/out/golden
@@ -20,7 +25,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi -L
-case "${STAGE:?set STAGE to tests, kernels, linear, model, host or tp}" in
+case "${STAGE:?set STAGE to tests, kernels, linear, model, host, tp or vllm}" in
 tests)
     python3 -m pytest -q --noconftest -x tests/test_gated_mlp.py tests/test_launch_plans.py tests/test_fusion.py \
         tests/test_custom_ops.py 2>&1 | tail -8 | tee "$OUT/tests.txt" ;;

@@ -36,7 +36,7 @@ class PerplexityResult:
     windows: int
 
 
-def _token_ids(tokenizer: Any, text: str) -> list[int]:
+def token_ids(tokenizer: Any, text: str) -> list[int]:
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is not None and (not ids or ids[0] != bos):
@@ -44,23 +44,29 @@ def _token_ids(tokenizer: Any, text: str) -> list[int]:
     return [int(i) for i in ids]
 
 
+def token_windows(tokenizer: Any, text: Optional[str] = None, *, ctx: int = 512,
+                  max_tokens: Optional[int] = None) -> list[list[int]]:
+    """The windows :func:`perplexity` scores: the text's tokens (BOS first where the tokenizer has one), cut into
+    ``ctx``-token pieces; a last piece of one token predicts nothing and is dropped."""
+    if ctx < 2:
+        raise ValueError(f"ctx must be at least 2 tokens, got {ctx}")
+    ids = token_ids(tokenizer, bundled_text() if text is None else text)
+    if max_tokens is not None:
+        ids = ids[: int(max_tokens)]
+    windows = [ids[s:s + ctx] for s in range(0, len(ids), ctx)]
+    windows = [w for w in windows if len(w) >= 2]
+    if not windows:
+        raise ValueError("the text has fewer than 2 tokens; nothing to predict")
+    return windows
+
+
 @torch.no_grad()
 def perplexity(model: Any, tokenizer: Any, text: Optional[str] = None, *, ctx: int = 512,
                max_tokens: Optional[int] = None) -> PerplexityResult:
     """Perplexity of ``model`` on ``text`` (default: the bundled text); see the module docstring."""
-    if ctx < 2:
-        raise ValueError(f"ctx must be at least 2 tokens, got {ctx}")
-    ids = _token_ids(tokenizer, bundled_text() if text is None else text)
-    if max_tokens is not None:
-        ids = ids[: int(max_tokens)]
-    if len(ids) < 2:
-        raise ValueError("the text has fewer than 2 tokens; nothing to predict")
     device = next(model.parameters()).device
     nll, count, windows = 0.0, 0, 0
-    for start in range(0, len(ids), ctx):
-        chunk = ids[start:start + ctx]
-        if len(chunk) < 2:
-            break
+    for chunk in token_windows(tokenizer, text, ctx=ctx, max_tokens=max_tokens):
         x = torch.tensor([chunk], dtype=torch.long, device=device)
         logits = model(input_ids=x).logits[0, :-1].float()
         logp = torch.log_softmax(logits, dim=-1)
