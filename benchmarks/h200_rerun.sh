@@ -12,11 +12,12 @@
 #   STAGE=host   bench_host.py: the host's time per part of an eager one-token forward, BF16 beside EXL3
 #   STAGE=tp     (nvidia-h200-x2) check_tp_layers.py and check_moe_tp_nccl.py over NCCL on two GPUs
 #   STAGE=vllm   the plugin in vLLM's CUDA build: install, smoke, the e2e suite (benchmarks/vllm_gpu/device.sh; carry
-#                .vgpu, the bundle benchmarks/vllm_gpu/build.sh makes, instead of .whl)
+#                .vgpu, the bundle benchmarks/vllm_gpu/build.sh makes, instead of .whl; the first call of a fresh
+#                machine fits install and smoke, a second the e2e suite)
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 if [ "${STAGE:-}" = vllm ]; then        # its own environment (vLLM's bundle), not the wheels below
-    exec bash benchmarks/vllm_gpu/device.sh install smoke e2e
+    EXL3RT_GOLDEN_DIR=$PWD/out/golden exec bash benchmarks/vllm_gpu/device.sh install smoke e2e
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests

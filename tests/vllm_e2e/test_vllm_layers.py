@@ -230,10 +230,10 @@ def test_checkpoint_moe_rank_sliced_tp_mismatch_is_a_clear_error():
         cfg._checkpoint_moe_method(layer, "model.layers.0.mlp.experts")
     # vLLM's weight stream drops every rank's tensors (the method reads its own rank's from disk)
     mapper = cfg.get_checkpoint_weight_mapper()
-    assert mapper.map_name("model.layers.0.mlp.experts.2.down_proj.rank1.trellis") is None
-    assert mapper.map_name("model.layers.0.mlp.experts.shared_h.up_proj.rank0.suh") is None
+    assert mapper.apply_list(["model.layers.0.mlp.experts.2.down_proj.rank1.trellis"]) == []
+    assert mapper.apply_list(["model.layers.0.mlp.experts.shared_h.up_proj.rank0.suh"]) == []
     kept = "model.layers.0.mlp.experts.2.down_proj.trellis"
-    assert mapper.map_name(kept) == kept
+    assert mapper.apply_list([kept]) == [kept]    # apply_list: public in every supported vLLM
 
 
 # ---- a quantized lm_head: vLLM's ParallelLMHead (vocab-parallel, padded per partition) --------------------------

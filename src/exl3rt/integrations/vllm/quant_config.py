@@ -134,9 +134,11 @@ class Exl3VllmConfig(QuantizationConfig):
         MoE layers) the same way, so that vLLM's layer prefixes find them. Idempotent: always maps the
         checkpoint's own names (vLLM may call it more than once)."""
         def rename(name: str) -> Optional[str]:
-            new = hf_to_vllm_mapper.map_name(name + ".trellis")
-            if new is None:
+            # apply_list: public from vLLM 0.26 on (map_name only from 0.27; 0.26 has _map_name); [] = dropped
+            mapped = hf_to_vllm_mapper.apply_list([name + ".trellis"])
+            if not mapped:
                 return None
+            new = mapped[0]
             return new[: -len(".trellis")] if new.endswith(".trellis") else new
 
         if self.stored is not None:
