@@ -6,18 +6,9 @@
 #                 reused when its stamp matches this script and pyproject.toml
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -d .ci/cache ]; then default_venv=.ci/cache/quality-venv; else default_venv=.quality-venv; fi
-VENV="${QUALITY_VENV:-$default_venv}"
-STAMP="$VENV/.exl3rt-stamp"
-want="$(cat "$0" pyproject.toml | sha256sum | cut -c1-16)"
-if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
-    rm -rf "$VENV"
-    python3.11 -m venv "$VENV"
-    "$VENV/bin/pip" install --quiet --upgrade pip
-    "$VENV/bin/pip" install --quiet torch==2.13.0          # the CPU build (local find-links)
-    "$VENV/bin/pip" install --quiet -e '.[test,quality]'
-    echo "$want" > "$STAMP"
-fi
+install_into() { "$1/bin/pip" install --quiet -e '.[test,quality]'; }
+. .ci/venv.sh
+ci_venv quality-venv QUALITY_VENV
 "$VENV/bin/pip" install --quiet --no-deps -e .
 # every CPU peer must run here: a missing one would pass as "not run"
 EXL3RT_QUALITY_PEERS_REQUIRED=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
