@@ -123,8 +123,7 @@ def exl3_online(path: Path, device: str, bits: float, codebook: str, cache_dir: 
 
     cfg = Exl3Config(bits=bits, codebook=codebook, cache_dir=cache_dir, progress=True)
     kw = {"device_map": device} if device != "cpu" else {}
-    # loaded in the checkpoint's dtype, as a user loads it (the cache keys the weights as loaded: a float32 load
-    # would encode everything again), then computed in float32 (bf16 -> fp32 is exact; the codes do not change)
+    # loaded in the checkpoint's dtype, as a user loads it, then computed in float32 (bf16 -> fp32 is exact)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto", quantization_config=cfg, **kw)
     return model.to(torch.float32).eval()
 

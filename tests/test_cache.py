@@ -252,6 +252,31 @@ def test_real_encode_round_trip_hits_and_rebuilds_exactly(tmp_path):
     assert float(meta["encode_seconds"]) > 0
 
 
+def test_bf16_weight_loaded_in_float32_or_float16_shares_the_entry():
+    """A BF16 checkpoint loaded with dtype=float32 (or float16, where its values fit) encodes to the bf16 load's
+    codes, so it has the bf16 load's key; a weight with one value off the bf16 grid, and a genuine fp16 one, do not."""
+    from exl3rt.encode import quantize_weight
+
+    w = (0.02 * torch.randn(128, 128, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16)
+    key = CacheKey.for_weight(w, bits=2)
+    assert CacheKey.for_weight(w.float(), bits=2) == key
+    # fp16 holds a bf16 value exactly only in its normal range (small weights become fp16 subnormals and round)
+    fits = torch.where(w.abs() < 2.0 ** -13, torch.full_like(w, 2.0 ** -13), w)
+    assert torch.equal(fits.half().to(torch.bfloat16), fits)
+    assert CacheKey.for_weight(fits.half(), bits=2) == CacheKey.for_weight(fits, bits=2)
+    assert not torch.equal(w.half().to(torch.bfloat16), w)
+    assert CacheKey.for_weight(w.half(), bits=2) != key        # rounded on the way: other values, another key
+    # why sharing is sound: the encoder reads float32, so both loads give the same codes
+    a, b = quantize_weight(w.t().float(), 2, "mcg"), quantize_weight(w.float().t().float(), 2, "mcg")
+    assert torch.equal(a.trellis, b.trellis) and torch.equal(a.suh, b.suh) and torch.equal(a.svh, b.svh)
+    off = w.float().clone()
+    off[5, 7] += 2.0 ** -20                                     # below bf16's resolution at this magnitude
+    assert CacheKey.for_weight(off, bits=2).source_dtype == "torch.float32"
+    assert CacheKey.for_weight(off, bits=2) != key
+    fp16 = (0.02 * torch.randn(128, 128, generator=torch.Generator().manual_seed(4))).half()
+    assert CacheKey.for_weight(fp16, bits=2).source_dtype == "torch.float16"
+
+
 def test_padded_widths_round_trip(tmp_path):
     key = CacheKey.for_weight(weight(out_f=200, in_f=300), bits=3)
     cache = rw(tmp_path)

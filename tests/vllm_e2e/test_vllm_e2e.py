@@ -113,7 +113,8 @@ def test_online_exl3_matches_transformers_and_hits_cache(bf16_llama, tmp_path):
     assert summary["misses"] == 0 and summary["hits"] == 14
 
     f32 = _serve(bf16_llama, cache, tmp_path / "r3.json", "--bits", str(BITS), "--dtype", "float32")
-    assert f32["summary"]["online"]["misses"] == 14      # float32 source weights: their own keys
+    # the BF16 weights loaded in float32 hold the same values (the encoder reads float32 either way): same entries
+    assert (f32["summary"]["online"]["misses"], f32["summary"]["online"]["hits"]) == (0, 14)
     hf_tokens, summary = _hf_tokens(bf16_llama, cfg, dtype=torch.float32)
     assert summary["misses"] == 0 and summary["hits"] == 14
     assert len({t for seq in hf_tokens for t in seq}) >= 4, f"degenerate continuation {hf_tokens}: not a useful check"

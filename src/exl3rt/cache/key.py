@@ -112,13 +112,24 @@ def _canon_option(name: str, value: Any) -> Any:
     raise CacheError(f"cache key option {name}={value!r}: options must be str, int, float, bool or None")
 
 
+def exact_bf16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as bf16 when it is a float32 or float16 tensor holding only bf16 values (a BF16 checkpoint loaded with
+    ``dtype=float32``), else ``t``. The encoder reads every weight as float32, so such a load encodes to exactly the
+    codes of the BF16 load: keyed as bf16, both find one cache entry instead of encoding the model again."""
+    if t.dtype not in (torch.float32, torch.float16):
+        return t
+    narrow = t.to(torch.bfloat16)
+    return narrow if torch.equal(narrow.to(t.dtype), t) else t
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheKey:
     """Everything that determines the bytes of one encoding. Why each field is there:
 
     - ``source_digest`` / ``source_dtype`` / ``source_shape``: the source weight's *content* (BLAKE3 of
-      its bytes, as loaded: HF ``[out, in]``, its own dtype). A changed or re-downloaded checkpoint can
-      never hit a stale entry, and identical weights (tied, shared, copied models) share entries.
+      its bytes, as loaded: HF ``[out, in]``, its own dtype; a float32/float16 weight holding only bf16 values
+      as bf16, :func:`exact_bf16`). A changed or re-downloaded checkpoint can never hit a stale entry, and
+      identical weights (tied, shared, copied models, a BF16 model loaded in float32) share entries.
     - ``bits``: K, the trellis width (int for integer K so 4 and 4.0 are one key).
     - ``codebook``: 3inst / mcg / mul1 decode states differently.
     - ``seed``: drives the random Hadamard signs.
@@ -259,8 +270,9 @@ class CacheKey:
                 raise CacheError(f"cache key: tp_bounds={bounds} is not a non-empty slice of the "
                                  f"[{rows}, {cols}] source weight (row_start, row_end, col_start, col_end)")
             out_f, in_f = r1 - r0, c1 - c0
+        source = exact_bf16(weight_hf)
         return cls(
-            source_digest=tensor_digest(weight_hf), source_dtype=str(weight_hf.dtype),
+            source_digest=tensor_digest(source), source_dtype=str(source.dtype),
             source_shape=(rows, cols), bits=bits, codebook=codebook, seed=int(seed),
             encoder_version=ENCODER_VERSION,
             hessian_digest="" if hessian is None else tensor_digest(hessian),
