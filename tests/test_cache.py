@@ -269,10 +269,11 @@ def test_bf16_weight_loaded_in_float32_or_float16_shares_the_entry():
     # why sharing is sound: the encoder reads float32, so both loads give the same codes
     a, b = quantize_weight(w.t().float(), 2, "mcg"), quantize_weight(w.float().t().float(), 2, "mcg")
     assert torch.equal(a.trellis, b.trellis) and torch.equal(a.suh, b.suh) and torch.equal(a.svh, b.svh)
-    off = w.float().clone()
-    off[5, 7] += 2.0 ** -20                                     # below bf16's resolution at this magnitude
-    assert CacheKey.for_weight(off, bits=2).source_dtype == "torch.float32"
-    assert CacheKey.for_weight(off, bits=2) != key
+    for at in ((5, 7), (100, 50)):                              # in the first 4096 values checked, and past them
+        off = w.float().clone()
+        off[at] += 2.0 ** -20                                   # below bf16's resolution at this magnitude
+        assert CacheKey.for_weight(off, bits=2).source_dtype == "torch.float32"
+        assert CacheKey.for_weight(off, bits=2) != key
     fp16 = (0.02 * torch.randn(128, 128, generator=torch.Generator().manual_seed(4))).half()
     assert CacheKey.for_weight(fp16, bits=2).source_dtype == "torch.float16"
 

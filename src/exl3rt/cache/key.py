@@ -118,6 +118,9 @@ def exact_bf16(t: torch.Tensor) -> torch.Tensor:
     codes of the BF16 load: keyed as bf16, both find one cache entry instead of encoding the model again."""
     if t.dtype not in (torch.float32, torch.float16):
         return t
+    head = t.detach().reshape(-1)[:4096]       # a genuine fp16/fp32 weight fails here, before a pass over all of it
+    if not torch.equal(head.to(torch.bfloat16).to(t.dtype), head):
+        return t
     narrow = t.to(torch.bfloat16)
     return narrow if torch.equal(narrow.to(t.dtype), t) else t
 
