@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -44,7 +44,6 @@ from common import commit, write_json  # noqa: E402
 import quality_peers  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 # ----------------------------------------------------------------------------------------------------------- texts
@@ -102,16 +101,18 @@ def tiny_model(work: Path) -> Path:
     return path
 
 
-def load_reference(path: Path, device: str) -> Any:
+def load_unquantized(path: Path, device: str, dtype: torch.dtype = torch.float32) -> Any:
+    """The unquantized model computing in ``dtype`` (``compute_dtype`` says which)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    model.compute_dtype = dtype
+    return model
 
 
-def linear_names(model: Any) -> dict[str, int]:
-    """qualified name -> logical weights of every decoder linear the methods quantize."""
-    return {n: m.weight.numel() for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in LINEAR_SUFFIXES}
+def linear_weights(model: Any) -> dict[str, int]:
+    """qualified name -> logical weights of every decoder linear the methods quantize (the peers' own list)."""
+    return {n: model.get_submodule(n).weight.numel() for n in quality_peers.decoder_linear_names(model)}
 
 
 def exl3_online(path: Path, device: str, bits: float, codebook: str, cache_dir: Optional[str]) -> Any:
@@ -146,14 +147,6 @@ def exl3_calibrated(path: Path, device: str, bits: float, codebook: str, work: P
     return AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, **kw).eval()
 
 
-def _in_dtype(path: Path, device: str, dtype: str) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).to(device).eval()
-    model.compute_dtype = getattr(torch, dtype)
-    return model
-
-
 # ----------------------------------------------------------------------------------------------------------- grid
 def grid(args: argparse.Namespace, path: Path, work: Path, calib: Path) -> list[dict[str, Any]]:
     """One entry per configuration: method, label, nominal bits, flags and how to build it."""
@@ -169,12 +162,12 @@ def grid(args: argparse.Namespace, path: Path, work: Path, calib: Path) -> list[
     # the floor some peers sit on: the unquantized model computed in the 16-bit dtype they compute in
     for dtype in args.dtype_rows:
         entries.append({"method": "dtype", "label": f"unquantized, {dtype} compute", "bits": 16,
-                        "build": lambda dtype=dtype: _in_dtype(path, args.device, dtype)})
+                        "build": lambda dtype=dtype: load_unquantized(path, args.device, getattr(torch, dtype))})
     for cfg in quality_peers.all_configs():
         if args.peers != ["all"] and cfg.label not in args.peers and cfg.method not in args.peers:
             continue
         entries.append({"method": cfg.method, "label": cfg.label, "bits": cfg.bits, "peer": cfg,
-                        "on_source_grid": bool(getattr(cfg, "on_source_grid", False)),
+                        "on_source_grid": cfg.on_source_grid,
                         "build": lambda cfg=cfg: cfg.build(str(path), args.device, calib_text=calib.read_text())})
     return entries
 
@@ -337,11 +330,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     calib = calibration_text(work)
 
     tok = AutoTokenizer.from_pretrained(str(path))
-    ref_model = load_reference(path, args.device)
-    names = linear_names(ref_model)
+    ref_model = load_unquantized(path, args.device)
+    names = linear_weights(ref_model)
     texts = evaluation_texts(args.chars, work)
     refs = {name: Reference(ref_model, token_windows(tok, text, ctx=args.ctx)) for name, text in texts.items()}
-    base = {name: r.result.ppl for name, r in refs.items()}
     del ref_model
     gc.collect()
 

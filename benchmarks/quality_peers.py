@@ -27,6 +27,7 @@ Import this file with ``sys.path`` set to ``benchmarks/``; the peer libraries ar
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -43,9 +44,6 @@ DECODER_LINEAR_RE = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj
 
 _PIP = {"hqq": "hqq", "bnb": "bitsandbytes", "torchao": "torchao", "quanto": "optimum-quanto",
         "gptq": "llmcompressor"}   # pip names
-_MODULE = {"hqq": "hqq", "bnb": "bitsandbytes", "torchao": "torchao", "quanto": "optimum.quanto",
-           "gptq": "llmcompressor"}
-
 # llmcompressor 0.14.0.1 pins transformers<=5.17.0 (its GPTQ runs with 5.25 all the same, tried in a
 # separate venv), so it is not installed beside the dev venv's transformers; the GPTQ peer runs where it is.
 GPTQ_HINT = "pip install llmcompressor (in a separate venv: it pins transformers<=5.17)"
@@ -104,7 +102,7 @@ def all_configs() -> list[PeerConfig]:
 def unavailable_reason(cfg: PeerConfig, device: str) -> str | None:
     """None when ``cfg`` can run on ``device`` here, else a one-line reason."""
     dev = torch.device(device)
-    if cfg.method != "rtn" and not _importable(_MODULE[cfg.method]):
+    if cfg.method != "rtn" and not _installed(cfg.method):
         hint = GPTQ_HINT if cfg.method == "gptq" else f"pip install {_PIP[cfg.method]}"
         return f"{_PIP[cfg.method]} is not installed ({hint})"
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -116,10 +114,13 @@ def unavailable_reason(cfg: PeerConfig, device: str) -> str | None:
     return None
 
 
-def _importable(module: str) -> bool:
+def _installed(method: str) -> bool:
+    """The peer's distribution is installed (its metadata, not an import spec: an uninstall can leave an empty
+    namespace folder, e.g. optimum/quanto, that still imports)."""
     try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:   # parent package missing (optimum for optimum.quanto)
+        importlib.metadata.version(_PIP[method])
+        return True
+    except importlib.metadata.PackageNotFoundError:
         return False
 
 
